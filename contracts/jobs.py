@@ -1,0 +1,144 @@
+"""Job and result schemas: what callers send, what travels on the queue, what comes back."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from contracts.errors import ErrorBody
+from contracts.queues import Tier
+from contracts.registry import SLUG_PATTERN, BaseModelRef
+
+MAX_PROMPT_CHARS = 100_000
+MAX_STOP_SEQUENCES = 8
+
+
+class Sampling(BaseModel):
+    """Decoding parameters. ``temperature == 0`` is greedy and therefore reproducible."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(default=64, ge=1, le=4096)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_not_empty(cls, value: list[str]) -> list[str]:
+        if any(not stop for stop in value):
+            raise ValueError("stop sequences must be non-empty strings")
+        return value
+
+
+class JobCreate(BaseModel):
+    """Body of ``POST /v1/jobs``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    adapter: str = Field(pattern=SLUG_PATTERN, description="alias of a published adapter")
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    sampling: Sampling = Field(default_factory=Sampling)
+
+
+class JobMessage(BaseModel):
+    """What the gateway puts on a tier queue: the revision is fixed at admission."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job_id: str
+    adapter: str
+    revision: str
+    base_model: BaseModelRef
+    tier: Tier
+    prompt: str
+    sampling: Sampling
+    accepted_at: float = Field(description="gateway clock, unix seconds")
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED)
+
+
+Residency = Literal["gpu", "cpu", "disk", "remote", "unknown"]
+
+
+class LoadTimings(BaseModel):
+    """Milliseconds spent in each loading phase for this job; ``None`` where it did not run."""
+
+    fetch: float | None = None
+    verify: float | None = None
+    engine_load: float | None = None
+
+
+class EngineInfo(BaseModel):
+    name: str
+    version: str
+
+
+class ResultMetadata(BaseModel):
+    """Observed facts about how a job ran (never inferred from timing)."""
+
+    adapter: str
+    revision: str = Field(description="registry digest resolved at admission")
+    loaded_digest: str | None = Field(description="digest of the files handed to the engine")
+    identity_verified: bool
+    base_model: BaseModelRef
+    residency_before: Residency
+    load_ms: LoadTimings
+    queue_wait_ms: float
+    ttft_ms: float | None
+    e2e_ms: float
+    worker: str
+    engine: EngineInfo
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class JobResult(BaseModel):
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: Usage
+
+
+class JobAccepted(BaseModel):
+    """Body of the 202 answer to ``POST /v1/jobs``."""
+
+    id: str
+    status: JobStatus
+    adapter: str
+    revision: str
+    queue: str
+
+
+class JobPublic(BaseModel):
+    """A job as callers see it (``GET /v1/jobs/{id}``)."""
+
+    id: str
+    status: JobStatus
+    adapter: str
+    revision: str
+    queue: str
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    result: JobResult | None = None
+    error: ErrorBody | None = None
+    metadata: ResultMetadata | None = None

@@ -1,0 +1,28 @@
+"""Redis key layout shared by every process (one place, so a rename breaks loudly)."""
+
+from __future__ import annotations
+
+PREFIX = "lorafleet"
+
+
+def adapter_key(alias: str) -> str:
+    """JSON ``AdapterRecord`` of one alias."""
+    return f"{PREFIX}:adapter:{alias}"
+
+
+ADAPTERS_INDEX = f"{PREFIX}:adapters"
+"""Set of every registered alias."""
+
+
+def job_key(job_id: str) -> str:
+    """Hash holding one job's public record (``record`` field, JSON) and its status."""
+    return f"{PREFIX}:job:{job_id}"
+
+
+def worker_key(hostname: str) -> str:
+    """JSON heartbeat a worker writes once its engine is ready, refreshed while it lives."""
+    return f"{PREFIX}:worker:{hostname}"
+
+
+WORKERS_INDEX = f"{PREFIX}:workers"
+"""Set of worker hostnames that have announced themselves."""

@@ -1,0 +1,37 @@
+"""Registry records: an alias names exactly one immutable adapter artifact."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from contracts.queues import Tier
+
+SLUG_PATTERN = r"^[a-z0-9](?:[a-z0-9._-]{0,62}[a-z0-9])?$"
+
+
+class BaseModelRef(BaseModel):
+    """The base model an adapter was trained for (or a worker serves): its id and digest."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    digest: str
+
+
+class AdapterRecord(BaseModel):
+    """One published adapter revision. Immutable: new bytes need a new alias."""
+
+    model_config = ConfigDict(frozen=True)
+
+    alias: str = Field(pattern=SLUG_PATTERN)
+    digest: str = Field(description="sha256 of the artifact's canonical manifest")
+    base_model: BaseModelRef
+    rank: int = Field(gt=0)
+    alpha: float
+    target_modules: tuple[str, ...]
+    size_bytes: int = Field(ge=0)
+    tier: Tier
+    owner: str = "default"
+    created_at: datetime

@@ -1,0 +1,48 @@
+"""The gateway application factory (``uvicorn gateway.app:create_app --factory``)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from redis.asyncio import Redis
+
+from gateway.config import GatewaySettings, get_settings
+from gateway.errors import install_error_handlers
+from gateway.queue import make_producer
+from gateway.routes import health, jobs
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    """Build the app; state (Redis pool, Celery producer) lives for the app's lifespan."""
+    settings = settings or get_settings()
+
+    if settings.sentry_dsn:
+        import sentry_sdk
+
+        sentry_sdk.init(dsn=settings.sentry_dsn, send_default_pii=False)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.settings = settings
+        app.state.redis = Redis.from_url(
+            settings.redis_url,
+            socket_timeout=settings.redis_timeout_s,
+            socket_connect_timeout=settings.redis_timeout_s,
+            decode_responses=True,
+        )
+        app.state.producer = make_producer(
+            settings.effective_broker_url, settings.redis_timeout_s
+        )
+        try:
+            yield
+        finally:
+            await app.state.redis.aclose()
+            app.state.producer.close()
+
+    app = FastAPI(title="lorafleet gateway", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(jobs.router)
+    return app

@@ -1,0 +1,31 @@
+"""FastAPI dependencies as ``Annotated`` aliases; the objects live on ``app.state``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from celery import Celery
+from fastapi import Depends, Request
+from redis.asyncio import Redis
+
+from gateway.config import GatewaySettings
+
+
+def _settings(request: Request) -> GatewaySettings:
+    settings: GatewaySettings = request.app.state.settings
+    return settings
+
+
+def _redis(request: Request) -> Redis:
+    redis: Redis = request.app.state.redis
+    return redis
+
+
+def _producer(request: Request) -> Celery:
+    producer: Celery = request.app.state.producer
+    return producer
+
+
+SettingsDep = Annotated[GatewaySettings, Depends(_settings)]
+RedisDep = Annotated[Redis, Depends(_redis)]
+ProducerDep = Annotated[Celery, Depends(_producer)]

@@ -1,0 +1,108 @@
+"""``/v1/jobs``: admit a job onto its tier queue, and report its status and result."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import UTC, datetime
+
+from fastapi import APIRouter, Response
+from fastapi.concurrency import run_in_threadpool
+from redis.exceptions import RedisError
+
+from contracts.errors import ErrorCode
+from contracts.jobs import JobAccepted, JobCreate, JobMessage, JobPublic, JobStatus
+from contracts.queues import queue_for
+from gateway import job_store
+from gateway.deps import ProducerDep, RedisDep, SettingsDep
+from gateway.errors import ApiError
+from gateway.queue import enqueue
+from gateway.registry import resolve_alias
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+_RETRY_AFTER = {"Retry-After": "2"}
+
+
+def _unavailable(what: str, exc: Exception) -> ApiError:
+    return ApiError(
+        503,
+        ErrorCode.SERVICE_UNAVAILABLE,
+        f"The job was not accepted: {what} ({type(exc).__name__}). Nothing was enqueued; retry.",
+        headers=_RETRY_AFTER,
+    )
+
+
+@router.post("", status_code=202, response_model=JobAccepted)
+async def create_job(
+    body: JobCreate,
+    response: Response,
+    redis: RedisDep,
+    producer: ProducerDep,
+    settings: SettingsDep,
+) -> JobAccepted:
+    """Resolve the adapter alias to its revision, record the job, enqueue it on its tier."""
+    try:
+        record = await resolve_alias(redis, body.adapter)
+    except (RedisError, OSError) as exc:
+        raise _unavailable("the registry is unreachable", exc) from exc
+    if record is None:
+        raise ApiError(
+            404,
+            ErrorCode.ADAPTER_NOT_FOUND,
+            f"No adapter named {body.adapter!r} is available. Nothing was enqueued.",
+        )
+
+    accepted_at = time.time()
+    job_id = uuid.uuid4().hex
+    queue = queue_for(record.tier)
+    job = JobPublic(
+        id=job_id,
+        status=JobStatus.QUEUED,
+        adapter=record.alias,
+        revision=record.digest,
+        queue=queue,
+        created_at=datetime.fromtimestamp(accepted_at, tz=UTC),
+    )
+    message = JobMessage(
+        job_id=job_id,
+        adapter=record.alias,
+        revision=record.digest,
+        base_model=record.base_model,
+        tier=record.tier,
+        prompt=body.prompt,
+        sampling=body.sampling,
+        accepted_at=accepted_at,
+    )
+    # The record exists before the message, so a fast worker always finds it; if the
+    # publish fails the record is removed and the caller never sees a 202.
+    try:
+        await job_store.create_job(redis, job, settings.job_ttl_s)
+    except (RedisError, OSError) as exc:
+        raise _unavailable("the job store is unreachable", exc) from exc
+    try:
+        await run_in_threadpool(enqueue, producer, message)
+    except Exception as exc:
+        try:
+            await job_store.delete_job(redis, job_id)
+        except (RedisError, OSError):
+            pass  # the record expires with its TTL; it was never acknowledged to the caller
+        raise _unavailable("the queue is unreachable", exc) from exc
+
+    response.headers["Location"] = f"/v1/jobs/{job_id}"
+    return JobAccepted(
+        id=job_id, status=JobStatus.QUEUED, adapter=record.alias, revision=record.digest,
+        queue=queue,
+    )
+
+
+@router.get("/{job_id}", response_model=JobPublic, response_model_exclude_none=False)
+async def get_job(job_id: str, redis: RedisDep) -> JobPublic:
+    """The job's status and, once finished, its result or error and the run metadata."""
+    try:
+        job = await job_store.get_job(redis, job_id)
+    except (RedisError, OSError) as exc:
+        raise _unavailable("the job store is unreachable", exc) from exc
+    if job is None:
+        raise ApiError(404, ErrorCode.JOB_NOT_FOUND, f"No job with id {job_id!r} exists.")
+    return job

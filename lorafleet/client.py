@@ -1,0 +1,60 @@
+"""A small async client of the gateway's job API (used by the demo, tests and benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+
+from contracts.jobs import JobAccepted, JobPublic
+
+
+class GatewayError(Exception):
+    def __init__(self, status_code: int, body: dict[str, Any]) -> None:
+        error = body.get("error", {})
+        super().__init__(f"{status_code} {error.get('code')}: {error.get('message')}")
+        self.status_code = status_code
+        self.code = error.get("code")
+        self.body = body
+
+
+class JobsClient:
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self._http = http
+
+    async def submit(
+        self, adapter: str, prompt: str, sampling: dict[str, Any] | None = None
+    ) -> JobAccepted:
+        body: dict[str, Any] = {"adapter": adapter, "prompt": prompt}
+        if sampling is not None:
+            body["sampling"] = sampling
+        response = await self._http.post("/v1/jobs", json=body)
+        if response.status_code != 202:
+            raise GatewayError(response.status_code, response.json())
+        return JobAccepted.model_validate(response.json())
+
+    async def get(self, job_id: str) -> JobPublic:
+        response = await self._http.get(f"/v1/jobs/{job_id}")
+        if response.status_code != 200:
+            raise GatewayError(response.status_code, response.json())
+        return JobPublic.model_validate(response.json())
+
+    async def wait(self, job_id: str, timeout_s: float = 300.0, poll_s: float = 0.05) -> JobPublic:
+        """Poll until the job is terminal; raises ``TimeoutError`` past ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = await self.get(job_id)
+            if job.status.terminal:
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still {job.status} after {timeout_s} s")
+            await asyncio.sleep(poll_s)
+
+    async def run(
+        self, adapter: str, prompt: str, sampling: dict[str, Any] | None = None,
+        timeout_s: float = 300.0,
+    ) -> JobPublic:
+        accepted = await self.submit(adapter, prompt, sampling)
+        return await self.wait(accepted.id, timeout_s)

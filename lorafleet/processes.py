@@ -1,0 +1,111 @@
+"""Child processes of the local stack: each in its own process group, logged to a file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Child:
+    """A started service; its pid is also its process-group id."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path, cwd: Path) -> Child:
+    """Start ``argv`` in a new session (so the whole tree can be signalled at once)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return Child(name=name, process=process, log_path=log_path)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_group(pgid: int, timeout_s: float = 30.0, process: subprocess.Popen[bytes] | None = None) -> None:
+    """SIGTERM the process group, wait up to ``timeout_s``, then SIGKILL what is left."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None:
+            process.poll()  # reap the leader so the group can disappear
+        if not group_alive(pgid):
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    if process is not None:
+        process.wait(timeout=10)
+
+
+def wait_until(
+    check: Callable[[], bool], timeout_s: float, what: str, watch: list[Child] | None = None
+) -> None:
+    """Poll ``check`` until true; fail early if a watched child dies meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for child in watch or []:
+            if not child.alive():
+                raise RuntimeError(
+                    f"{child.name} exited with {child.process.returncode} while waiting for "
+                    f"{what}; last lines of {child.log_path}:\n{child.log_tail()}"
+                )
+        try:
+            if check():
+                return
+        except Exception:  # not up yet: connection refused, 5xx, ...
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")

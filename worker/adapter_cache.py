@@ -1,0 +1,164 @@
+"""Local disk cache of adapter artifacts, filled from S3 and verified while streaming.
+
+Layout: ``<root>/adapters/<digest hex>/`` holds exactly the artifact's files. A download goes
+to ``<root>/tmp/`` and is renamed into place only after every byte matched the manifest, so a
+directory under ``adapters/`` is always complete; a failed fetch leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+from pydantic import ValidationError
+
+from contracts.digests import CHUNK_BYTES, DIGEST_PREFIX, FileEntry, Manifest, manifest_of
+from contracts.storage import blob_key, manifest_key
+from worker.errors import AdapterIntegrityError, AdapterUnavailableError
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """Where an artifact now lives, and the phases this call observed (ms, None if skipped)."""
+
+    path: Path
+    loaded_digest: str | None
+    fetch_ms: float | None
+    verify_ms: float | None
+
+
+def _ms(start: float) -> float:
+    return round((time.perf_counter() - start) * 1000, 3)
+
+
+def _missing(error: ClientError) -> bool:
+    code = str(error.response.get("Error", {}).get("Code", ""))
+    return code in {"NoSuchKey", "404", "NotFound"}
+
+
+class AdapterCache:
+    """S3 -> disk. One download per digest however many threads ask at once."""
+
+    def __init__(self, root: Path, s3: Any, bucket: str) -> None:
+        self._root = root
+        self._s3 = s3
+        self._bucket = bucket
+        self._guard = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+        (root / "adapters").mkdir(parents=True, exist_ok=True)
+        (root / "tmp").mkdir(parents=True, exist_ok=True)
+
+    def path_for(self, digest: str) -> Path:
+        return self._root / "adapters" / digest.removeprefix(DIGEST_PREFIX)
+
+    def has(self, digest: str) -> bool:
+        """The artifact is on local disk (complete, not yet re-verified)."""
+        return self.path_for(digest).is_dir()
+
+    def _lock_for(self, digest: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(digest, threading.Lock())
+
+    def ensure(self, digest: str) -> Fetched:
+        """Make ``digest`` present on disk, downloading and verifying it if needed.
+
+        Returns the verified digest of the written files when this call downloaded them;
+        ``loaded_digest`` is ``None`` when the files were already on disk (verify them before
+        trusting them: see ``verify``).
+        """
+        if self.has(digest):
+            return Fetched(self.path_for(digest), None, None, None)
+        with self._lock_for(digest):
+            if self.has(digest):
+                return Fetched(self.path_for(digest), None, None, None)
+            return self._download(digest)
+
+    def verify(self, digest: str) -> tuple[str, float]:
+        """Re-hash the files on disk; on mismatch delete them and fail closed."""
+        start = time.perf_counter()
+        path = self.path_for(digest)
+        observed = manifest_of(path).digest()
+        if observed != digest:
+            shutil.rmtree(path, ignore_errors=True)
+            raise AdapterIntegrityError(
+                f"Cached files of revision {digest} hash to {observed}; they were removed."
+            )
+        return observed, _ms(start)
+
+    def _download(self, digest: str) -> Fetched:
+        start = time.perf_counter()
+        tmp = self._root / "tmp" / f"{digest.removeprefix(DIGEST_PREFIX)}.{uuid.uuid4().hex}"
+        tmp.mkdir()
+        try:
+            manifest = self._fetch_manifest(digest)
+            observed = tuple(self._fetch_file(entry, tmp) for entry in manifest.files)
+            fetch_ms = _ms(start)
+            verify_start = time.perf_counter()
+            loaded = Manifest(files=observed).digest()
+            if loaded != digest:
+                raise AdapterIntegrityError(
+                    f"Downloaded files of revision {digest} hash to {loaded}; refused."
+                )
+            final = self.path_for(digest)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not final.is_dir():
+                    raise
+            return Fetched(final, loaded, fetch_ms, _ms(verify_start))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _get(self, key: str) -> Any:
+        try:
+            return self._s3.get_object(Bucket=self._bucket, Key=key)["Body"]
+        except ClientError as exc:
+            if _missing(exc):
+                raise AdapterUnavailableError(f"Object {key} is missing from the store.") from exc
+            raise AdapterUnavailableError(f"The object store refused {key}: {exc}") from exc
+        except BotoCoreError as exc:
+            raise AdapterUnavailableError(f"The object store is unreachable: {exc}") from exc
+
+    def _fetch_manifest(self, digest: str) -> Manifest:
+        body = self._get(manifest_key(digest)).read()
+        if DIGEST_PREFIX + hashlib.sha256(body).hexdigest() != digest:
+            raise AdapterIntegrityError(f"The stored manifest of revision {digest} was altered.")
+        try:
+            manifest = Manifest.model_validate_json(body)
+        except ValidationError as exc:
+            raise AdapterIntegrityError(f"The manifest of {digest} is malformed.") from exc
+        for entry in manifest.files:
+            if "/" in entry.path or entry.path.startswith(".") or not entry.path:
+                raise AdapterIntegrityError(f"Manifest of {digest} names unsafe path {entry.path!r}.")
+        return manifest
+
+    def _fetch_file(self, entry: FileEntry, directory: Path) -> FileEntry:
+        """Stream one blob to disk, hashing as it arrives; returns what was observed."""
+        body = self._get(blob_key(entry.sha256))
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            with (directory / entry.path).open("wb") as handle:
+                for chunk in body.iter_chunks(CHUNK_BYTES):
+                    digest.update(chunk)
+                    size += len(chunk)
+                    handle.write(chunk)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except (BotoCoreError, OSError) as exc:
+            raise AdapterUnavailableError(f"Download of {entry.path} failed: {exc}") from exc
+        observed = FileEntry(path=entry.path, sha256=digest.hexdigest(), size_bytes=size)
+        if observed != entry:
+            raise AdapterIntegrityError(
+                f"{entry.path} does not match its manifest (sha256 {observed.sha256[:12]}..., "
+                f"{size} bytes; expected {entry.sha256[:12]}..., {entry.size_bytes} bytes)."
+            )
+        return observed

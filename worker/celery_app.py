@@ -1,0 +1,66 @@
+"""The Celery app of the worker (``celery -A worker.celery_app worker``). Kept tiny.
+
+All reliability settings live here, together, each with the reason it is set.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery
+from celery.signals import worker_init, worker_shutdown
+
+from contracts.queues import ALL_QUEUES
+from worker.config import get_settings
+from worker.runtime import WorkerRuntime
+
+log = logging.getLogger(__name__)
+settings = get_settings()
+
+app = Celery("lorafleet", broker=settings.effective_broker_url, include=["worker.tasks"])
+app.conf.update(
+    # Acknowledge only after the task returned (result stored): a crash mid-job redelivers it.
+    task_acks_late=True,
+    # A task whose worker process died is rejected back to the queue, not acknowledged.
+    task_reject_on_worker_lost=True,
+    # Unacked jobs return to the queue after this long; must exceed the longest job.
+    broker_transport_options={"visibility_timeout": settings.visibility_timeout_s},
+    # Each pool thread reserves at most one extra job, so a busy worker cannot hoard a queue.
+    worker_prefetch_multiplier=1,
+    # Results live in our own job records (contracts.keys.job_key), not Celery's backend.
+    task_ignore_result=True,
+    task_default_queue=ALL_QUEUES[0],
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+)
+
+_runtime: WorkerRuntime | None = None
+
+
+def runtime() -> WorkerRuntime:
+    """The process's runtime; exists from ``worker_init`` until ``worker_shutdown``."""
+    if _runtime is None:
+        raise RuntimeError("the worker runtime is not started")
+    return _runtime
+
+
+@worker_init.connect
+def _start_runtime(**_: Any) -> None:
+    global _runtime
+    if settings.sentry_dsn:
+        import sentry_sdk
+
+        sentry_sdk.init(dsn=settings.sentry_dsn, send_default_pii=False)
+    _runtime = WorkerRuntime(settings)
+    _runtime.start()
+
+
+@worker_shutdown.connect
+def _stop_runtime(**_: Any) -> None:
+    # vLLM's engine-core child processes keep the worker alive on SIGTERM unless the engine
+    # is shut down explicitly.
+    global _runtime
+    if _runtime is not None:
+        _runtime.close()
+        _runtime = None

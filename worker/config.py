@@ -1,0 +1,77 @@
+"""Worker settings: one object per process, read from the environment once."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerSettings(BaseSettings):
+    """Every knob of a worker. Env var = ``LORAFLEET_`` + field name, upper case."""
+
+    model_config = SettingsConfigDict(env_prefix="LORAFLEET_", extra="ignore")
+
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="Redis holding the registry, job records and (by default) the queues.",
+    )
+    broker_url: str | None = Field(
+        default=None, description="Celery broker URL; defaults to `redis_url`."
+    )
+    model: str = Field(
+        default=".lorafleet/fixtures/base",
+        description="Base model served by the engine: a local directory or a hub id.",
+    )
+    dtype: str = Field(default="auto", description="Engine weight dtype (`float32` on CPU).")
+    max_model_len: int | None = Field(
+        default=None, description="Context length; `None` takes the model's own."
+    )
+    max_loras: int = Field(default=2, ge=1, description="Adapters active in one batch (GPU slots).")
+    max_cpu_loras: int = Field(
+        default=4, ge=1, description="Adapters kept registered in the engine's CPU cache."
+    )
+    max_lora_rank: int = Field(default=8, ge=1, description="Largest adapter rank served.")
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1, description="Fraction of accelerator memory vLLM may use."
+    )
+    enforce_eager: bool = Field(
+        default=False, description="Disable CUDA graphs / compilation (required on CPU)."
+    )
+    cache_dir: Path = Field(
+        default=Path(".lorafleet/cache"), description="Local disk cache of adapter artifacts."
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None, description="S3-compatible endpoint (MinIO, R2, moto); `None` is AWS S3."
+    )
+    s3_bucket: str = Field(default="lorafleet", description="Bucket holding adapter artifacts.")
+    s3_region: str = Field(default="us-east-1", description="Region for the S3 client.")
+    s3_max_attempts: int = Field(
+        default=4, ge=1, description="Attempts per S3 call (botocore standard retry mode)."
+    )
+    job_ttl_s: int = Field(
+        default=7 * 24 * 3600, gt=0, description="How long job records and results are kept."
+    )
+    visibility_timeout_s: int = Field(
+        default=3600,
+        gt=0,
+        description="Seconds before Redis redelivers an unacknowledged job; longer than any job.",
+    )
+    heartbeat_s: float = Field(default=10.0, gt=0, description="Worker heartbeat period.")
+    sentry_dsn: str | None = Field(
+        default=None,
+        validation_alias="SENTRY_DSN",
+        description="Report unhandled errors to Sentry when set.",
+    )
+
+    @property
+    def effective_broker_url(self) -> str:
+        return self.broker_url or self.redis_url
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> WorkerSettings:
+    """The process-wide settings, built on first use."""
+    return WorkerSettings()

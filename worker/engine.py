@@ -1,0 +1,111 @@
+"""One vLLM ``AsyncLLM`` per worker process, driven from an event loop on its own thread.
+
+Celery's thread pool runs many tasks at once; each submits coroutines to this loop, so the
+engine sees all of them together and batches across jobs and adapters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import vllm
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from worker.config import WorkerSettings
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The subset of settings that shapes the engine."""
+
+    model: str
+    dtype: str
+    max_model_len: int | None
+    max_loras: int
+    max_cpu_loras: int
+    max_lora_rank: int
+    gpu_memory_utilization: float
+    enforce_eager: bool
+
+    @classmethod
+    def from_settings(cls, settings: WorkerSettings) -> EngineOptions:
+        return cls(
+            model=settings.model,
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len,
+            max_loras=settings.max_loras,
+            max_cpu_loras=settings.max_cpu_loras,
+            max_lora_rank=settings.max_lora_rank,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            enforce_eager=settings.enforce_eager,
+        )
+
+    def engine_args(self) -> AsyncEngineArgs:
+        return AsyncEngineArgs(
+            model=self.model,
+            dtype=self.dtype,  # type: ignore[arg-type]
+            max_model_len=self.max_model_len,
+            enable_lora=True,
+            max_loras=self.max_loras,
+            max_cpu_loras=self.max_cpu_loras,
+            max_lora_rank=self.max_lora_rank,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enforce_eager=self.enforce_eager,
+        )
+
+
+ENGINE_NAME = "vllm"
+ENGINE_VERSION = vllm.__version__
+
+
+class EngineHost:
+    """Owns the event-loop thread and the engine on it; thread-safe ``run`` for callers."""
+
+    def __init__(self, options: EngineOptions) -> None:
+        self._options = options
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="engine-loop", daemon=True)
+        self._engine: AsyncLLM | None = None
+
+    def start(self) -> None:
+        """Start the loop thread and build the engine on it (blocks until ready)."""
+        self._thread.start()
+        self._engine = self.run(self._build())
+
+    async def _build(self) -> AsyncLLM:
+        return AsyncLLM.from_engine_args(self._options.engine_args())
+
+    @property
+    def engine(self) -> AsyncLLM:
+        if self._engine is None:
+            raise RuntimeError("the engine has not been started")
+        return self._engine
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Schedule ``coro`` on the engine loop from any thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run ``coro`` on the engine loop and wait for its result."""
+        return self.submit(coro).result(timeout=timeout_s)
+
+    def shutdown(self) -> None:
+        """Stop the engine (and its child processes), then the loop thread."""
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)

@@ -1,0 +1,111 @@
+"""Everything one worker process holds: engine, adapter cache, runner, job store, heartbeat."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import boto3
+from botocore.config import Config
+from redis import Redis
+
+from contracts.digests import manifest_of
+from contracts.keys import WORKERS_INDEX, worker_key
+from contracts.registry import BaseModelRef
+from worker.adapter_cache import AdapterCache
+from worker.config import WorkerSettings
+from worker.engine import ENGINE_VERSION, EngineHost, EngineOptions
+from worker.job_store import JobStore
+from worker.residency import EngineAdapters
+from worker.runner import JobRunner
+
+log = logging.getLogger(__name__)
+
+
+def base_model_ref(model: str) -> BaseModelRef:
+    """Id and content digest of the served base model (a local directory, or a hub snapshot)."""
+    path = Path(model)
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        path = Path(snapshot_download(model))
+    return BaseModelRef(id=model, digest=manifest_of(path).digest())
+
+
+def s3_client(settings: WorkerSettings) -> object:
+    return boto3.client(
+        "s3",
+        endpoint_url=settings.s3_endpoint_url,
+        region_name=settings.s3_region,
+        config=Config(
+            retries={"max_attempts": settings.s3_max_attempts, "mode": "standard"},
+            connect_timeout=5,
+            read_timeout=30,
+        ),
+    )
+
+
+class WorkerRuntime:
+    """Built once per worker process when Celery starts it; closed when Celery stops it."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.hostname = socket.gethostname()
+        # Several workers may share a host: the announcement key needs the pid too.
+        self.worker_id = f"{self.hostname}:{os.getpid()}"
+        self.redis = Redis.from_url(settings.redis_url, decode_responses=True)
+        self.jobs = JobStore(self.redis, settings.job_ttl_s)
+        self.cache = AdapterCache(settings.cache_dir, s3_client(settings), settings.s3_bucket)
+        self.base_model = base_model_ref(settings.model)
+        self.host = EngineHost(EngineOptions.from_settings(settings))
+        self.runner = JobRunner(
+            self.host, EngineAdapters(self.host, self.cache), self.base_model, self.hostname
+        )
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        """Start the engine (blocks until it serves), then announce the worker."""
+        started = time.perf_counter()
+        self.host.start()
+        log.info("engine ready in %.1f s", time.perf_counter() - started)
+        self._announce()
+        self._heartbeat.start()
+
+    def _announce(self) -> None:
+        record = {
+            "worker_id": self.worker_id,
+            "hostname": self.hostname,
+            "base_model": self.base_model.model_dump(),
+            "engine_version": ENGINE_VERSION,
+            "max_loras": self.settings.max_loras,
+            "max_cpu_loras": self.settings.max_cpu_loras,
+            "seen_at": time.time(),
+        }
+        ttl_s = int(self.settings.heartbeat_s * 3) + 1
+        self.redis.set(worker_key(self.worker_id), json.dumps(record), ex=ttl_s)
+        self.redis.sadd(WORKERS_INDEX, self.worker_id)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.settings.heartbeat_s):
+            try:
+                self._announce()
+            except OSError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            except Exception as exc:  # a Redis outage must not kill the heartbeat thread
+                log.warning("heartbeat failed: %s", exc)
+
+    def close(self) -> None:
+        """Stop the heartbeat, withdraw the announcement, shut the engine down."""
+        self._stop.set()
+        try:
+            self.redis.delete(worker_key(self.worker_id))
+            self.redis.srem(WORKERS_INDEX, self.worker_id)
+        except Exception as exc:
+            log.warning("could not withdraw worker record: %s", exc)
+        self.host.shutdown()
