@@ -32,9 +32,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             socket_connect_timeout=settings.redis_timeout_s,
             decode_responses=True,
         )
-        app.state.producer = make_producer(
-            settings.effective_broker_url, settings.redis_timeout_s
-        )
+        app.state.producer = make_producer(settings.effective_broker_url, settings.redis_timeout_s)
         try:
             yield
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -21,7 +22,8 @@ adapters_app = typer.Typer(help="Publish and inspect adapters.", no_args_is_help
 stack_app = typer.Typer(help="Run the local stack.", no_args_is_help=True)
 app.add_typer(adapters_app, name="adapters")
 app.add_typer(stack_app, name="stack")
-console = Console()
+# Pipes and CI logs get a table wide enough to read; terminals keep their own width.
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _settings() -> LocalSettings:
@@ -81,10 +83,14 @@ def adapters_publish(
     model = _model(settings)
     try:
         record = publish_adapter(
-            directory=directory, alias=alias, tier=tier, owner=owner,
+            directory=directory,
+            alias=alias,
+            tier=tier,
+            owner=owner,
             base_model=BaseModelRef(id=str(model), digest=manifest_of(model).digest()),
             redis=Redis.from_url(redis_url, decode_responses=True),
-            s3=s3_client(endpoint, settings.s3_region), bucket=settings.s3_bucket,
+            s3=s3_client(endpoint, settings.s3_region),
+            bucket=settings.s3_bucket,
         )
     except PublishError as exc:
         console.print(f"[red]{exc.code}[/]: {exc.message}")
@@ -106,15 +112,19 @@ def adapters_list() -> None:
 
 @stack_app.command("up")
 def stack_up(
-    detach: Annotated[bool, typer.Option(help="Return once ready; stop with `stack down`.")] = False,
+    detach: Annotated[
+        bool, typer.Option(help="Return once ready; stop with `stack down`.")
+    ] = False,
 ) -> None:
     """Start Redis, S3, the gateway and one worker; writes .lorafleet/stack.json."""
     from lorafleet.stack import LocalStack
 
     settings = _settings()
     if settings.stack_file.exists():
-        console.print(f"[red]a stack is already recorded in {settings.stack_file}[/]; "
-                      "run `lorafleet stack down` first")
+        console.print(
+            f"[red]a stack is already recorded in {settings.stack_file}[/]; "
+            "run `lorafleet stack down` first"
+        )
         raise typer.Exit(1)
     stack = LocalStack(settings, _model(settings))
     try:

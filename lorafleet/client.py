@@ -53,7 +53,10 @@ class JobsClient:
             await asyncio.sleep(poll_s)
 
     async def run(
-        self, adapter: str, prompt: str, sampling: dict[str, Any] | None = None,
+        self,
+        adapter: str,
+        prompt: str,
+        sampling: dict[str, Any] | None = None,
         timeout_s: float = 300.0,
     ) -> JobPublic:
         accepted = await self.submit(adapter, prompt, sampling)

@@ -71,8 +71,13 @@ def run_demo(settings: LocalSettings, jobs: int, report_path: Path, console: Con
         redis, s3 = stack.redis(), stack.s3()
         for spec, tier in zip(specs, TIERS, strict=True):
             record = publish_adapter(
-                directory=settings.fixtures_dir / "adapters" / spec.name, alias=spec.name,
-                tier=tier, base_model=base, redis=redis, s3=s3, bucket=settings.s3_bucket,
+                directory=settings.fixtures_dir / "adapters" / spec.name,
+                alias=spec.name,
+                tier=tier,
+                base_model=base,
+                redis=redis,
+                s3=s3,
+                bucket=settings.s3_bucket,
             )
             tiers[record.alias] = record.tier.value
 
@@ -99,14 +104,19 @@ def run_demo(settings: LocalSettings, jobs: int, report_path: Path, console: Con
     return 0 if ok else 1
 
 
-async def _run_jobs(gateway_url: str, mix: list[tuple[str, str]], console: Console) -> list[JobPublic]:
+async def _run_jobs(
+    gateway_url: str, mix: list[tuple[str, str]], console: Console
+) -> list[JobPublic]:
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(base_url=gateway_url, timeout=30, limits=limits) as http:
         client = JobsClient(http)
         sampling: dict[str, Any] = {"max_tokens": 32, "temperature": 0.0}
         with Progress(
-            "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), console=console,
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
         ) as progress:
             task = progress.add_task("jobs finished", total=len(mix))
 

@@ -126,10 +126,10 @@ def write_base_model(out_dir: Path) -> None:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(BASE_SEED)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config)
     model.save_pretrained(out_dir, safe_serialization=True)
 
 

@@ -60,16 +60,31 @@ def spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path, cwd: P
 
 
 def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+    """Some process of group ``pgid`` still runs (zombies awaiting their reaper do not count)."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # not Linux: ask the kernel, zombies included
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
         return True
-    return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state, ppid, pgrp, ...
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
-def stop_group(pgid: int, timeout_s: float = 30.0, process: subprocess.Popen[bytes] | None = None) -> None:
+def stop_group(
+    pgid: int, timeout_s: float = 30.0, process: subprocess.Popen[bytes] | None = None
+) -> None:
     """SIGTERM the process group, wait up to ``timeout_s``, then SIGKILL what is left."""
     try:
         os.killpg(pgid, signal.SIGTERM)

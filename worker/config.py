@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# The ranks vLLM accepts for max_lora_rank; anything else fails at engine start, so refuse early.
+LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
 
 
 class WorkerSettings(BaseSettings):
@@ -33,7 +37,7 @@ class WorkerSettings(BaseSettings):
     max_cpu_loras: int = Field(
         default=4, ge=1, description="Adapters kept registered in the engine's CPU cache."
     )
-    max_lora_rank: int = Field(default=8, ge=1, description="Largest adapter rank served.")
+    max_lora_rank: LoraRank = Field(default=8, description="Largest adapter rank served.")
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0, le=1, description="Fraction of accelerator memory vLLM may use."
     )

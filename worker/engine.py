@@ -17,7 +17,7 @@ import vllm
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from worker.config import WorkerSettings
+from worker.config import LoraRank, WorkerSettings
 
 T = TypeVar("T")
 
@@ -31,7 +31,7 @@ class EngineOptions:
     max_model_len: int | None
     max_loras: int
     max_cpu_loras: int
-    max_lora_rank: int
+    max_lora_rank: LoraRank
     gpu_memory_utilization: float
     enforce_eager: bool
 
@@ -49,16 +49,17 @@ class EngineOptions:
         )
 
     def engine_args(self) -> AsyncEngineArgs:
+        optional = {} if self.max_model_len is None else {"max_model_len": self.max_model_len}
         return AsyncEngineArgs(
             model=self.model,
             dtype=self.dtype,  # type: ignore[arg-type]
-            max_model_len=self.max_model_len,
             enable_lora=True,
             max_loras=self.max_loras,
             max_cpu_loras=self.max_cpu_loras,
             max_lora_rank=self.max_lora_rank,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager,
+            **optional,  # type: ignore[arg-type]
         )
 
 
@@ -72,7 +73,9 @@ class EngineHost:
     def __init__(self, options: EngineOptions) -> None:
         self._options = options
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="engine-loop", daemon=True
+        )
         self._engine: AsyncLLM | None = None
 
     def start(self) -> None:

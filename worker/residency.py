@@ -93,4 +93,3 @@ class EngineAdapters:
     def handed_digest(self, request: LoRARequest) -> str | None:
         """Digest of the files last handed to the engine under ``request``'s id."""
         return self._handed.get(request.lora_int_id)
-

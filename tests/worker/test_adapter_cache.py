@@ -1,0 +1,140 @@
+"""S3 -> disk cache against a real S3 protocol server (moto over HTTP)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from contracts.digests import manifest_of
+from contracts.storage import blob_key
+from lorafleet.publish import ADAPTER_FILES, upload_artifact
+from lorafleet.stack import LocalStack
+from worker.adapter_cache import AdapterCache
+from worker.errors import AdapterIntegrityError, AdapterUnavailableError
+
+
+class CountingS3:
+    """Passes calls through to boto3 and counts ``get_object`` per key."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self.gets: dict[str, int] = {}
+
+    def get_object(self, **kwargs: Any) -> Any:
+        with self._lock:
+            self.gets[kwargs["Key"]] = self.gets.get(kwargs["Key"], 0) + 1
+        return self._client.get_object(**kwargs)
+
+
+def _artifact(tmp_path: Path, name: str, payload: bytes) -> Path:
+    directory = tmp_path / name
+    directory.mkdir()
+    (directory / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
+    (directory / "adapter_model.safetensors").write_bytes(payload)
+    return directory
+
+
+def _publish(s3: Any, bucket: str, directory: Path) -> str:
+    manifest = manifest_of(directory, ADAPTER_FILES)
+    upload_artifact(s3, bucket, directory, manifest)
+    return manifest.digest()
+
+
+def _leftovers(root: Path) -> list[Path]:
+    return [p for p in (root / "tmp").rglob("*")] + [p for p in (root / "adapters").rglob("*")]
+
+
+def test_fetch_writes_verified_files_and_times_phases(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    bucket = infra.settings.s3_bucket
+    digest = _publish(s3, bucket, _artifact(tmp_path, "ok", b"weights-ok" * 1000))
+    cache = AdapterCache(tmp_path / "cache", s3, bucket)
+    assert not cache.has(digest)
+    fetched = cache.ensure(digest)
+    assert fetched.loaded_digest == digest
+    assert fetched.fetch_ms is not None and fetched.verify_ms is not None
+    assert manifest_of(fetched.path).digest() == digest
+    assert cache.has(digest)
+    again = cache.ensure(digest)
+    assert again.loaded_digest is None and again.fetch_ms is None
+    assert cache.verify(digest)[0] == digest
+    assert list((tmp_path / "cache" / "tmp").iterdir()) == []
+
+
+def test_concurrent_requests_for_one_digest_download_once(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    bucket = infra.settings.s3_bucket
+    payload = b"concurrent" * 100_000
+    digest = _publish(s3, bucket, _artifact(tmp_path, "conc", payload))
+    counting = CountingS3(s3)
+    cache = AdapterCache(tmp_path / "cache", counting, bucket)
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda _: cache.ensure(digest), range(16)))
+    weights_key = blob_key(manifest_of(tmp_path / "conc", ADAPTER_FILES).files[1].sha256)
+    assert counting.gets[weights_key] == 1
+    assert sum(1 for r in results if r.loaded_digest == digest) == 1
+
+
+def test_tampered_blob_fails_closed_and_leaves_nothing(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    bucket = infra.settings.s3_bucket
+    directory = _artifact(tmp_path, "tamper", b"original-weights" * 100)
+    digest = _publish(s3, bucket, directory)
+    weights = manifest_of(directory, ADAPTER_FILES).files[1]
+    s3.put_object(Bucket=bucket, Key=blob_key(weights.sha256), Body=b"evil-weights" * 100)
+    cache = AdapterCache(tmp_path / "cache", s3, bucket)
+    with pytest.raises(AdapterIntegrityError) as caught:
+        cache.ensure(digest)
+    assert caught.value.code == "adapter_integrity"
+    assert "adapter_model.safetensors" in caught.value.message
+    assert not cache.has(digest)
+    assert _leftovers(tmp_path / "cache") == []
+
+
+def test_missing_object_is_adapter_unavailable(infra: LocalStack, s3: Any, tmp_path: Path) -> None:
+    cache = AdapterCache(tmp_path / "cache", s3, infra.settings.s3_bucket)
+    with pytest.raises(AdapterUnavailableError) as caught:
+        cache.ensure("sha256:" + "0" * 64)
+    assert caught.value.code == "adapter_unavailable"
+    assert _leftovers(tmp_path / "cache") == []
+
+
+def test_unreachable_store_is_adapter_unavailable(tmp_path: Path) -> None:
+    import boto3
+    from botocore.config import Config
+
+    from lorafleet.processes import free_port
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{free_port()}",
+        region_name="us-east-1",
+        aws_access_key_id="x",
+        aws_secret_access_key="x",
+        config=Config(retries={"max_attempts": 1}, connect_timeout=1),
+    )
+    cache = AdapterCache(tmp_path / "cache", client, "bucket")
+    with pytest.raises(AdapterUnavailableError):
+        cache.ensure("sha256:" + "1" * 64)
+    assert _leftovers(tmp_path / "cache") == []
+
+
+def test_tampered_disk_copy_is_removed_on_verify(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    bucket = infra.settings.s3_bucket
+    digest = _publish(s3, bucket, _artifact(tmp_path, "disk", b"disk-weights" * 100))
+    cache = AdapterCache(tmp_path / "cache", s3, bucket)
+    path = cache.ensure(digest).path
+    (path / "adapter_model.safetensors").write_bytes(b"flipped")
+    with pytest.raises(AdapterIntegrityError):
+        cache.verify(digest)
+    assert not cache.has(digest)
