@@ -15,6 +15,7 @@ from rich.console import Console
 from contracts.digests import manifest_of
 from contracts.queues import Tier
 from contracts.registry import BaseModelRef
+from lorafleet.processes import interrupt_on_signal
 from lorafleet.settings import LocalSettings
 
 app = typer.Typer(help="lorafleet: serverless multi-LoRA inference.", no_args_is_help=True)
@@ -137,7 +138,7 @@ def stack_up(
     if detach:
         return
     console.print("stack running; Ctrl-C stops it")
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, interrupt_on_signal)
     try:
         while all(child.alive() for child in stack.children):
             time.sleep(0.5)
@@ -167,7 +168,16 @@ def demo(
     """Fixtures, local stack, 12 adapters (2 hot, 4 warm, 6 cold), skewed jobs, a report."""
     from lorafleet.demo import run_demo
 
-    raise typer.Exit(run_demo(_settings(), jobs, report, console))
+    try:
+        code = run_demo(_settings(), jobs, report, console)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: every process the demo started was stopped")
+        code = 130
+    except (RuntimeError, TimeoutError) as exc:
+        console.print(f"[red]demo failed[/]: {exc}")
+        console.print("every process the demo started was stopped")
+        code = 1
+    raise typer.Exit(code)
 
 
 def main() -> None:

@@ -8,7 +8,6 @@ import random
 import signal
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import httpx
@@ -21,6 +20,7 @@ from contracts.queues import Tier
 from contracts.registry import BaseModelRef
 from lorafleet.client import JobsClient
 from lorafleet.fixtures import write_fixtures
+from lorafleet.processes import interrupt_on_signal
 from lorafleet.publish import publish_adapter
 from lorafleet.report import summarise, table
 from lorafleet.settings import LocalSettings
@@ -48,14 +48,10 @@ def job_mix(aliases: list[str], count: int, seed: int = 7) -> list[tuple[str, st
     return mix
 
 
-def _raise_interrupt(signum: int, _: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def run_demo(settings: LocalSettings, jobs: int, report_path: Path, console: Console) -> int:
     """Run the whole demo; returns the exit code. Every process started is stopped."""
     # SIGTERM takes the same clean path as Ctrl-C.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGTERM, interrupt_on_signal)
     console.print("[bold]1/5[/] fixtures: tiny Llama base model + 12 LoRA adapters")
     specs = write_fixtures(settings.fixtures_dir, adapters=len(TIERS))
     model = (settings.model or settings.fixtures_dir / "base").resolve()

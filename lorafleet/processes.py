@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 
 def free_port() -> int:
@@ -57,6 +58,11 @@ def spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path, cwd: P
             start_new_session=True,
         )
     return Child(name=name, process=process, log_path=log_path)
+
+
+def interrupt_on_signal(signum: int, _: FrameType | None) -> None:
+    """Signal handler: SIGTERM takes the same clean-up path as Ctrl-C."""
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def group_alive(pgid: int) -> bool:

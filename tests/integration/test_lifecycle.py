@@ -15,22 +15,9 @@ import pytest
 from lorafleet.processes import group_alive
 from lorafleet.settings import LocalSettings
 from lorafleet.stack import LocalStack, stop_recorded
+from tests.helpers import processes_with_env
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _processes_with_env(marker: str) -> list[int]:
-    """Pids whose environment contains ``marker`` (the test's unique state dir)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if marker.encode() in (entry / "environ").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
 
 
 def _wait_gone(pgid: int, timeout_s: float) -> bool:
@@ -86,7 +73,7 @@ def test_demo_runs_reports_verified_identity_and_leaves_no_process(tmp_path: Pat
     assert {"hot", "all"} <= set(data["tiers"])
     assert all(job["metadata"]["identity_verified"] for job in data["results"])
     assert data["tiers"]["all"]["identity_mismatched"] == 0
-    assert _processes_with_env(str(state)) == []
+    assert processes_with_env(str(state)) == []
     assert not (state / "stack.json").exists()
 
 

@@ -1,0 +1,174 @@
+"""The `lorafleet` command as a user runs it: subprocesses, real Redis and S3, real engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from redis import Redis
+
+from contracts.keys import adapter_key
+from contracts.registry import AdapterRecord
+from lorafleet.stack import LOCAL_AWS, LocalStack
+from tests.helpers import processes_with_env
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _cli(
+    args: list[str], env: dict[str, str], timeout_s: float = 600
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lorafleet", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def _isolated_env(state: Path, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "LORAFLEET_STATE_DIR": str(state), **extra}
+    for key in ("LORAFLEET_REDIS_URL", "LORAFLEET_S3_ENDPOINT_URL"):
+        if key not in extra:
+            env.pop(key, None)
+    return env
+
+
+def test_publish_is_idempotent_and_refuses_new_bytes_under_an_old_alias(
+    infra: LocalStack, redis: Redis, s3: Any, tmp_path: Path, fixtures_dir: Path
+) -> None:
+    env = _isolated_env(
+        tmp_path / "state",
+        LORAFLEET_REDIS_URL=infra.redis_url,
+        LORAFLEET_S3_ENDPOINT_URL=infra.s3_endpoint_url,
+        LORAFLEET_S3_BUCKET=infra.settings.s3_bucket,
+        LORAFLEET_MODEL=str(fixtures_dir / "base"),
+        **LOCAL_AWS,
+    )
+    source = fixtures_dir / "adapters" / "lora-01-r4-qkvo"
+    args = ["adapters", "publish", str(source), "--alias", "cli-probe", "--tier", "warm"]
+    first = _cli(args, env)
+    assert first.returncode == 0, first.stderr
+    record = AdapterRecord.model_validate_json(redis.get(adapter_key("cli-probe")))  # type: ignore[arg-type]
+    assert record.tier == "warm" and record.rank == 4
+    assert record.target_modules == ("k_proj", "o_proj", "q_proj", "v_proj")
+
+    again = _cli(args, env)
+    assert again.returncode == 0
+    assert json.loads(again.stdout)["digest"] == record.digest
+
+    other = tmp_path / "other"
+    shutil.copytree(fixtures_dir / "adapters" / "lora-02-r4-qv", other)
+    refused = _cli(["adapters", "publish", str(other), "--alias", "cli-probe"], env)
+    assert refused.returncode == 1
+    assert "alias_exists" in refused.stdout
+    assert AdapterRecord.model_validate_json(redis.get(adapter_key("cli-probe"))) == record  # type: ignore[arg-type]
+
+    (other / "adapter_config.json").unlink()
+    invalid = _cli(["adapters", "publish", str(other), "--alias", "cli-broken"], env)
+    assert invalid.returncode == 1
+    assert "adapter_invalid" in invalid.stdout
+    assert redis.get(adapter_key("cli-broken")) is None
+
+    listed = _cli(["adapters", "list"], env)
+    assert "cli-probe" in listed.stdout and record.digest in listed.stdout
+
+
+def test_stack_up_detached_serves_a_published_adapter_then_stack_down_stops_it(
+    tmp_path: Path, fixtures_dir: Path
+) -> None:
+    state = tmp_path / "state"
+    env = _isolated_env(
+        state, LORAFLEET_MODEL=str(fixtures_dir / "base"), LORAFLEET_WORKER_CONCURRENCY="4"
+    )
+    try:
+        up = _cli(["stack", "up", "--detach"], env)
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+        stack = json.loads((state / "stack.json").read_text())
+        assert {"gateway_url", "redis_url", "s3_endpoint_url", "bucket", "model"} <= set(stack)
+        assert set(stack["pids"]) == {"redis", "s3", "gateway", "worker"}
+
+        published = _cli(
+            [
+                "adapters",
+                "publish",
+                str(fixtures_dir / "adapters" / "lora-00-r8-qv"),
+                "--alias",
+                "detached",
+                "--tier",
+                "hot",
+            ],
+            env,
+        )
+        assert published.returncode == 0, published.stdout + published.stderr
+        accepted = httpx.post(
+            f"{stack['gateway_url']}/v1/jobs",
+            json={"adapter": "detached", "prompt": "hi", "sampling": {"max_tokens": 3}},
+        ).json()
+        deadline = time.monotonic() + 120
+        job = httpx.get(f"{stack['gateway_url']}/v1/jobs/{accepted['id']}").json()
+        while job["status"] not in ("succeeded", "failed") and time.monotonic() < deadline:
+            time.sleep(0.1)
+            job = httpx.get(f"{stack['gateway_url']}/v1/jobs/{accepted['id']}").json()
+        assert job["status"] == "succeeded", job
+        assert job["metadata"]["identity_verified"] is True
+    finally:
+        down = _cli(["stack", "down"], env)
+    assert down.returncode == 0
+    assert "worker" in down.stdout and "redis" in down.stdout
+    assert processes_with_env(str(state)) == []
+
+
+def test_interrupted_demo_stops_everything_it_started(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    env = _isolated_env(state)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lorafleet",
+            "demo",
+            "--jobs",
+            "5",
+            "--report",
+            str(tmp_path / "r.json"),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert process.stdout is not None
+    for line in process.stdout:  # interrupt while the engine is starting
+        if "starting gateway and worker" in line:
+            break
+    time.sleep(3)
+    process.send_signal(signal.SIGINT)
+    output = process.communicate(timeout=180)[0]
+    assert process.returncode == 130, output
+    assert "interrupted" in output
+    assert processes_with_env(str(state)) == []
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_demo_that_cannot_start_its_worker_fails_cleanly(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    # A rank vLLM does not accept: the worker refuses its settings and exits.
+    env = _isolated_env(state, LORAFLEET_MAX_LORA_RANK="7")
+    completed = _cli(["demo", "--jobs", "5", "--report", str(tmp_path / "r.json")], env)
+    assert completed.returncode == 1
+    assert "demo failed" in completed.stdout
+    assert "worker exited" in completed.stdout
+    assert "max_lora_rank" in completed.stdout
+    assert processes_with_env(str(state)) == []
