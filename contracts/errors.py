@@ -10,15 +10,32 @@ from pydantic import BaseModel
 class ErrorCode(StrEnum):
     """Every error a caller can see. Never renumber or rename: clients branch on these."""
 
+    # Admission (gateway)
     ADAPTER_NOT_FOUND = "adapter_not_found"
+    ADAPTER_RETIRED = "adapter_retired"
     VALIDATION_ERROR = "validation_error"
     JOB_NOT_FOUND = "job_not_found"
     SERVICE_UNAVAILABLE = "service_unavailable"
+    # Execution (worker): the job ends failed, generation never ran on other weights
     ADAPTER_INTEGRITY = "adapter_integrity"
     ADAPTER_UNAVAILABLE = "adapter_unavailable"
     BASE_MODEL_MISMATCH = "base_model_mismatch"
     ENGINE_ERROR = "engine_error"
     INTERNAL_ERROR = "internal_error"
+    # Publishing and registry management (CLI): nothing is uploaded or registered
+    NAME_INVALID = "name_invalid"
+    NAME_TAKEN = "name_taken"
+    CHANNEL_NOT_FOUND = "channel_not_found"
+    ALIAS_EXISTS = "alias_exists"
+    ADAPTER_CONFIG_MISSING = "adapter_config_missing"
+    ADAPTER_CONFIG_INVALID = "adapter_config_invalid"
+    ADAPTER_UNSAFE_FORMAT = "adapter_unsafe_format"
+    ADAPTER_WEIGHTS_MISSING = "adapter_weights_missing"
+    ADAPTER_WEIGHTS_INVALID = "adapter_weights_invalid"
+    RANK_TOO_LARGE = "rank_too_large"
+    TARGET_MODULES_UNKNOWN = "target_modules_unknown"
+    ADAPTER_SHAPE_MISMATCH = "adapter_shape_mismatch"
+    ADAPTER_TOO_LARGE = "adapter_too_large"
 
 
 class ErrorBody(BaseModel):

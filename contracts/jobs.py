@@ -41,7 +41,10 @@ class JobCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    adapter: str = Field(pattern=SLUG_PATTERN, description="alias of a published adapter")
+    adapter: str = Field(
+        pattern=SLUG_PATTERN,
+        description="alias of a published adapter, or a channel pointing to one",
+    )
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     sampling: Sampling = Field(default_factory=Sampling)
 
@@ -124,6 +127,7 @@ class JobAccepted(BaseModel):
     id: str
     status: JobStatus
     adapter: str
+    channel: str | None = None
     revision: str
     queue: str
 
@@ -134,6 +138,7 @@ class JobPublic(BaseModel):
     id: str
     status: JobStatus
     adapter: str
+    channel: str | None = Field(default=None, description="channel the caller named, if any")
     revision: str
     queue: str
     created_at: datetime

@@ -13,6 +13,18 @@ def adapter_key(alias: str) -> str:
 ADAPTERS_INDEX = f"{PREFIX}:adapters"
 """Set of every registered alias."""
 
+RETIRED_INDEX = f"{PREFIX}:adapters:retired"
+"""Set of retired aliases: still resolvable for queued jobs, refused for new ones."""
+
+
+def channel_key(name: str) -> str:
+    """String: the alias a channel points to now."""
+    return f"{PREFIX}:channel:{name}"
+
+
+CHANNELS_INDEX = f"{PREFIX}:channels"
+"""Set of every channel name."""
+
 
 def job_key(job_id: str) -> str:
     """Hash holding one job's public record (``record`` field, JSON) and its status."""

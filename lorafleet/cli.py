@@ -12,16 +12,19 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from contracts.digests import manifest_of
+from contracts.errors import ErrorCode
 from contracts.queues import Tier
-from contracts.registry import BaseModelRef
 from lorafleet.processes import interrupt_on_signal
+from lorafleet.registry import Registry, RegistryError
 from lorafleet.settings import LocalSettings
+from lorafleet.validation import ValidationFailure
 
 app = typer.Typer(help="lorafleet: serverless multi-LoRA inference.", no_args_is_help=True)
 adapters_app = typer.Typer(help="Publish and inspect adapters.", no_args_is_help=True)
+channels_app = typer.Typer(help="Point channels at adapter aliases.", no_args_is_help=True)
 stack_app = typer.Typer(help="Run the local stack.", no_args_is_help=True)
 app.add_typer(adapters_app, name="adapters")
+app.add_typer(channels_app, name="channels")
 app.add_typer(stack_app, name="stack")
 # Pipes and CI logs get a table wide enough to read; terminals keep their own width.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -66,6 +69,18 @@ def fixtures(
     console.print(f"base model: {out / 'base'}")
 
 
+def _registry(settings: LocalSettings) -> Registry:
+    from redis import Redis
+
+    redis_url, _ = _connections(settings)
+    return Registry(Redis.from_url(redis_url, decode_responses=True))
+
+
+def _refused(exc: ValidationFailure | RegistryError) -> typer.Exit:
+    console.print(f"[red]{exc.code}[/]: {exc.message}")
+    return typer.Exit(1)
+
+
 @adapters_app.command("publish")
 def adapters_publish(
     directory: Annotated[Path, typer.Argument(exists=True, file_okay=False)],
@@ -73,42 +88,89 @@ def adapters_publish(
     tier: Annotated[Tier, typer.Option(help="hot, warm or cold.")] = Tier.COLD,
     owner: Annotated[str, typer.Option(help="Owning team or tenant.")] = "default",
 ) -> None:
-    """Upload an adapter to S3 (content-addressed) and register ALIAS for it."""
-    from redis import Redis
-
-    from lorafleet.publish import PublishError, publish_adapter
+    """Validate an adapter, upload it to S3 (content-addressed) and register ALIAS for it."""
+    from lorafleet.publish import Publisher
     from lorafleet.stack import s3_client
 
     settings = _settings()
-    redis_url, endpoint = _connections(settings)
+    _, endpoint = _connections(settings)
     model = _model(settings)
+    publisher = Publisher(
+        base_dir=model,
+        base_model_id=str(model),
+        limits=settings.limits,
+        registry=_registry(settings),
+        s3=s3_client(endpoint, settings.s3_region),
+        bucket=settings.s3_bucket,
+    )
     try:
-        record = publish_adapter(
-            directory=directory,
-            alias=alias,
-            tier=tier,
-            owner=owner,
-            base_model=BaseModelRef(id=str(model), digest=manifest_of(model).digest()),
-            redis=Redis.from_url(redis_url, decode_responses=True),
-            s3=s3_client(endpoint, settings.s3_region),
-            bucket=settings.s3_bucket,
-        )
-    except PublishError as exc:
-        console.print(f"[red]{exc.code}[/]: {exc.message}")
-        raise typer.Exit(1) from exc
+        record = publisher.publish(directory, alias, tier, owner)
+    except (ValidationFailure, RegistryError) as exc:
+        raise _refused(exc) from exc
     console.print_json(record.model_dump_json())
 
 
 @adapters_app.command("list")
 def adapters_list() -> None:
-    """List registered adapters."""
-    from redis import Redis
+    """List registered adapters: alias, tier, state, digest, rank, size."""
+    registry = _registry(_settings())
+    retired = registry.retired()
+    for record in registry.list():
+        state = "retired" if record.alias in retired else "active"
+        console.print(
+            f"{record.alias}\t{record.tier}\t{state}\t{record.digest}\t"
+            f"rank {record.rank}\t{record.size_bytes} bytes"
+        )
 
-    from lorafleet.publish import list_adapters
 
-    redis_url, _ = _connections(_settings())
-    for record in list_adapters(Redis.from_url(redis_url, decode_responses=True)):
-        console.print(f"{record.alias}\t{record.tier}\t{record.digest}\trank {record.rank}")
+@adapters_app.command("show")
+def adapters_show(alias: Annotated[str, typer.Argument()]) -> None:
+    """Show one adapter's registry record."""
+    registry = _registry(_settings())
+    try:
+        record = registry.require(alias)
+    except RegistryError as exc:
+        raise _refused(exc) from exc
+    body = json.loads(record.model_dump_json())
+    body["retired"] = alias in registry.retired()
+    console.print_json(json.dumps(body))
+
+
+@adapters_app.command("retire")
+def adapters_retire(alias: Annotated[str, typer.Argument()]) -> None:
+    """Stop new admissions for ALIAS; jobs already queued still run on it."""
+    try:
+        record = _registry(_settings()).retire(alias)
+    except RegistryError as exc:
+        raise _refused(exc) from exc
+    console.print(f"retired {record.alias} ({record.digest})")
+
+
+@channels_app.command("set")
+def channels_set(
+    name: Annotated[str, typer.Argument()], alias: Annotated[str, typer.Argument()]
+) -> None:
+    """Point channel NAME at ALIAS (new admissions only; queued jobs keep their revision)."""
+    try:
+        previous = _registry(_settings()).set_channel(name, alias)
+    except RegistryError as exc:
+        raise _refused(exc) from exc
+    console.print(f"{name} -> {alias}" + (f" (was {previous})" if previous else ""))
+
+
+@channels_app.command("show")
+def channels_show(name: Annotated[str | None, typer.Argument()] = None) -> None:
+    """Show where channel NAME points, or every channel."""
+    registry = _registry(_settings())
+    if name is None:
+        for channel, alias in registry.channels().items():
+            console.print(f"{channel} -> {alias}")
+        return
+    target = registry.channel(name)
+    if target is None:
+        console.print(f"[red]{ErrorCode.CHANNEL_NOT_FOUND}[/]: no channel named {name!r}")
+        raise typer.Exit(1)
+    console.print(f"{name} -> {target}")
 
 
 @stack_app.command("up")
@@ -173,6 +235,10 @@ def demo(
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: every process the demo started was stopped")
         code = 130
+    except (ValidationFailure, RegistryError) as exc:
+        console.print(f"[red]demo failed[/]: {exc.code}: {exc.message}")
+        console.print("every process the demo started was stopped")
+        code = 1
     except (RuntimeError, TimeoutError) as exc:
         console.print(f"[red]demo failed[/]: {exc}")
         console.print("every process the demo started was stopped")

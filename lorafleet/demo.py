@@ -14,14 +14,11 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-from contracts.digests import manifest_of
 from contracts.jobs import JobPublic
 from contracts.queues import Tier
-from contracts.registry import BaseModelRef
 from lorafleet.client import JobsClient
 from lorafleet.fixtures import write_fixtures
 from lorafleet.processes import interrupt_on_signal
-from lorafleet.publish import publish_adapter
 from lorafleet.report import summarise, table
 from lorafleet.settings import LocalSettings
 from lorafleet.stack import LocalStack
@@ -55,7 +52,6 @@ def run_demo(settings: LocalSettings, jobs: int, report_path: Path, console: Con
     console.print("[bold]1/5[/] fixtures: tiny Llama base model + 12 LoRA adapters")
     specs = write_fixtures(settings.fixtures_dir, adapters=len(TIERS))
     model = (settings.model or settings.fixtures_dir / "base").resolve()
-    base = BaseModelRef(id=str(model), digest=manifest_of(model).digest())
 
     with LocalStack(settings, model) as stack:
         console.print("[bold]2/5[/] local stack: Redis, S3")
@@ -64,16 +60,10 @@ def run_demo(settings: LocalSettings, jobs: int, report_path: Path, console: Con
 
         console.print("[bold]3/5[/] publishing adapters: 2 hot, 4 warm, 6 cold")
         tiers: dict[str, str] = {}
-        redis, s3 = stack.redis(), stack.s3()
+        publisher = stack.publisher()
         for spec, tier in zip(specs, TIERS, strict=True):
-            record = publish_adapter(
-                directory=settings.fixtures_dir / "adapters" / spec.name,
-                alias=spec.name,
-                tier=tier,
-                base_model=base,
-                redis=redis,
-                s3=s3,
-                bucket=settings.s3_bucket,
+            record = publisher.publish(
+                settings.fixtures_dir / "adapters" / spec.name, spec.name, tier
             )
             tiers[record.alias] = record.tier.value
 

@@ -1,41 +1,22 @@
-"""Publish an adapter: upload its files content-addressed to S3, then register its alias."""
+"""Publish an adapter: validate it, upload it content-addressed to S3, register its alias.
+
+Validation happens before any upload, so a refused adapter leaves nothing in S3 or Redis.
+"""
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from botocore.exceptions import ClientError
-from redis import Redis
 
 from contracts.digests import Manifest, manifest_of
-from contracts.keys import ADAPTERS_INDEX, adapter_key
 from contracts.queues import Tier
 from contracts.registry import AdapterRecord, BaseModelRef
 from contracts.storage import blob_key, manifest_key
-
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-
-
-class PublishError(Exception):
-    """Publishing refused; nothing was registered. ``code`` is stable."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def _read_config(directory: Path) -> dict[str, Any]:
-    missing = [name for name in ADAPTER_FILES if not (directory / name).is_file()]
-    if missing:
-        raise PublishError("adapter_invalid", f"{directory} lacks {', '.join(missing)}.")
-    config: dict[str, Any] = json.loads((directory / "adapter_config.json").read_text())
-    if config.get("peft_type") != "LORA":
-        raise PublishError("adapter_invalid", "adapter_config.json must have peft_type LORA.")
-    return config
+from lorafleet.registry import Registry, check_name
+from lorafleet.validation import ADAPTER_FILES, Limits, validate_adapter
 
 
 def _exists(s3: Any, bucket: str, key: str) -> bool:
@@ -59,50 +40,50 @@ def upload_artifact(s3: Any, bucket: str, directory: Path, manifest: Manifest) -
     )
 
 
-def publish_adapter(
-    *,
-    directory: Path,
-    alias: str,
-    tier: Tier,
-    base_model: BaseModelRef,
-    redis: Redis,
-    s3: Any,
-    bucket: str,
-    owner: str = "default",
-) -> AdapterRecord:
-    """Publish ``directory`` under ``alias``. Same bytes again is a no-op; other bytes refused."""
-    config = _read_config(directory)
-    manifest = manifest_of(directory, ADAPTER_FILES)
-    digest = manifest.digest()
-    existing = redis.get(adapter_key(alias))
-    if existing is not None:
-        record = AdapterRecord.model_validate_json(existing)
-        if record.digest == digest:
-            return record
-        raise PublishError(
-            "alias_exists",
-            f"Alias {alias!r} already names {record.digest}; publish new bytes under a new alias.",
+class Publisher:
+    """Publishes adapters for one fleet: its base model, its limits, its registry and bucket."""
+
+    def __init__(
+        self,
+        *,
+        base_dir: Path,
+        base_model_id: str,
+        limits: Limits,
+        registry: Registry,
+        s3: Any,
+        bucket: str,
+    ) -> None:
+        self.base_dir = base_dir
+        self.base_model = BaseModelRef(id=base_model_id, digest=manifest_of(base_dir).digest())
+        self.limits = limits
+        self.registry = registry
+        self._s3 = s3
+        self._bucket = bucket
+
+    def publish(
+        self, directory: Path, alias: str, tier: Tier, owner: str = "default"
+    ) -> AdapterRecord:
+        """Publish ``directory`` as ``alias``. Same bytes again: no-op; other bytes: refused."""
+        check_name(alias, "Alias")
+        valid = validate_adapter(directory, self.base_dir, self.base_model.id, self.limits)
+        manifest = manifest_of(directory, ADAPTER_FILES)
+        existing = self.registry.get(alias)
+        if existing is not None and existing.digest == manifest.digest():
+            return existing
+        record = AdapterRecord(
+            alias=alias,
+            digest=manifest.digest(),
+            base_model=self.base_model,
+            rank=valid.rank,
+            alpha=valid.alpha,
+            target_modules=valid.target_modules,
+            size_bytes=manifest.size_bytes,
+            tier=tier,
+            owner=owner,
+            created_at=datetime.now(tz=UTC),
         )
-    record = AdapterRecord(
-        alias=alias,
-        digest=digest,
-        base_model=base_model,
-        rank=int(config["r"]),
-        alpha=float(config.get("lora_alpha", config["r"])),
-        target_modules=tuple(sorted(config["target_modules"])),
-        size_bytes=manifest.size_bytes,
-        tier=tier,
-        owner=owner,
-        created_at=datetime.now(tz=UTC),
-    )
-    upload_artifact(s3, bucket, directory, manifest)
-    if not redis.set(adapter_key(alias), record.model_dump_json(), nx=True):
-        raise PublishError("alias_exists", f"Alias {alias!r} was published concurrently.")
-    redis.sadd(ADAPTERS_INDEX, alias)
-    return record
-
-
-def list_adapters(redis: Redis) -> list[AdapterRecord]:
-    aliases = sorted(str(alias) for alias in redis.smembers(ADAPTERS_INDEX))  # type: ignore[union-attr]
-    raws = [redis.get(adapter_key(alias)) for alias in aliases]
-    return [AdapterRecord.model_validate_json(str(raw)) for raw in raws if raw is not None]
+        if existing is None and self.registry.channel(alias) is None:
+            # Content-addressed: an upload can only add correctly-named blobs; it never
+            # changes what an existing alias means.
+            upload_artifact(self._s3, self._bucket, directory, manifest)
+        return self.registry.register(record)

@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from lorafleet.validation import Limits
+
 
 class LocalSettings(BaseSettings):
     """Env var = ``LORAFLEET_`` + field name. Unset Redis/S3 means: start private servers."""
@@ -27,10 +29,27 @@ class LocalSettings(BaseSettings):
     model: Path | None = Field(
         default=None, description="Base model directory; default: the generated fixture model."
     )
+    max_lora_rank: int = Field(
+        default=8, ge=1, description="Largest adapter rank the fleet serves (refused above)."
+    )
+    max_adapter_file_bytes: int = Field(
+        default=2 * 1024**3, gt=0, description="Largest adapter file accepted at publish."
+    )
+    max_adapter_bytes: int = Field(
+        default=4 * 1024**3, gt=0, description="Largest adapter (all files) accepted at publish."
+    )
     gateway_port: int = Field(default=0, ge=0, description="Gateway port; 0 picks a free one.")
     startup_timeout_s: float = Field(
         default=600.0, gt=0, description="How long `stack up` waits for every service to be ready."
     )
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            max_lora_rank=self.max_lora_rank,
+            max_file_bytes=self.max_adapter_file_bytes,
+            max_total_bytes=self.max_adapter_bytes,
+        )
 
     @property
     def fixtures_dir(self) -> Path:

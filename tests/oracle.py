@@ -19,13 +19,15 @@ class PeftOracle:
         self._tokenizer = AutoTokenizer.from_pretrained(self._base_dir)
         self.tokens = cache(self._tokens)
 
-    def _model(self, adapter: str | None) -> torch.nn.Module:
+    def _model(self, adapter: str | Path | None) -> torch.nn.Module:
         base = AutoModelForCausalLM.from_pretrained(self._base_dir, dtype=torch.float32)
         if adapter is None:
             return base.eval()
-        return PeftModel.from_pretrained(base, self._adapters_dir / adapter).eval()
+        path = adapter if isinstance(adapter, Path) else self._adapters_dir / adapter
+        return PeftModel.from_pretrained(base, path).eval()
 
-    def _tokens(self, adapter: str | None, prompt: str, max_tokens: int) -> tuple[int, ...]:
+    def _tokens(self, adapter: str | Path | None, prompt: str, max_tokens: int) -> tuple[int, ...]:
+        """Greedy tokens of ``adapter`` (a fixture name or a directory; ``None``: base)."""
         model = self._model(adapter)
         # Match jobs sent with ignore_eos: never stop on EOS, never suppress it either.
         model.generation_config.eos_token_id = None

@@ -8,11 +8,15 @@ directory under ``adapters/`` is always complete; a failed fetch leaves nothing 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import threading
 import time
 import uuid
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,8 @@ from pydantic import ValidationError
 from contracts.digests import CHUNK_BYTES, DIGEST_PREFIX, FileEntry, Manifest, manifest_of
 from contracts.storage import blob_key, manifest_key
 from worker.errors import AdapterIntegrityError, AdapterUnavailableError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,26 +51,82 @@ def _missing(error: ClientError) -> bool:
 
 
 class AdapterCache:
-    """S3 -> disk. One download per digest however many threads ask at once."""
+    """S3 -> disk, bounded in bytes, LRU, one download per digest however many ask at once.
 
-    def __init__(self, root: Path, s3: Any, bucket: str) -> None:
+    A job ``hold``s its adapter from before it is needed until its generation ends; held
+    entries are never evicted, so the engine can always (re)load from the path it was given.
+    The bound covers finished entries plus downloads in flight (reserved before the first
+    byte is written), so the directory never exceeds ``max_bytes``.
+    """
+
+    def __init__(
+        self, root: Path, s3: Any, bucket: str, max_bytes: int, wait_s: float = 60.0
+    ) -> None:
         self._root = root
         self._s3 = s3
         self._bucket = bucket
-        self._guard = threading.Lock()
+        self._max_bytes = max_bytes
+        self._wait_s = wait_s
+        self._cond = threading.Condition()
+        self._entries: OrderedDict[str, int] = OrderedDict()  # digest -> bytes, oldest first
+        self._holds: Counter[str] = Counter()
+        self._reserved = 0
         self._locks: dict[str, threading.Lock] = {}
-        (root / "adapters").mkdir(parents=True, exist_ok=True)
-        (root / "tmp").mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    def _scan(self) -> None:
+        """Adopt complete entries left by an earlier process; drop partial downloads."""
+        shutil.rmtree(self._root / "tmp", ignore_errors=True)
+        (self._root / "tmp").mkdir(parents=True, exist_ok=True)
+        adapters = self._root / "adapters"
+        adapters.mkdir(parents=True, exist_ok=True)
+        found = sorted(adapters.iterdir(), key=lambda p: p.stat().st_mtime)
+        for path in found:
+            size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+            self._entries[DIGEST_PREFIX + path.name] = size
+        with self._cond:
+            self._evict_until(0)
+
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
+
+    def used_bytes(self) -> int:
+        """Bytes of cached entries plus downloads in flight."""
+        with self._cond:
+            return sum(self._entries.values()) + self._reserved
 
     def path_for(self, digest: str) -> Path:
         return self._root / "adapters" / digest.removeprefix(DIGEST_PREFIX)
 
     def has(self, digest: str) -> bool:
         """The artifact is on local disk (complete, not yet re-verified)."""
-        return self.path_for(digest).is_dir()
+        with self._cond:
+            return digest in self._entries
+
+    @contextmanager
+    def hold(self, digest: str) -> Iterator[None]:
+        """Keep ``digest`` from eviction for the duration (it need not be present yet)."""
+        with self._cond:
+            self._holds[digest] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._holds[digest] -= 1
+                if self._holds[digest] == 0:
+                    del self._holds[digest]
+                self._cond.notify_all()
+
+    def _touch(self, digest: str) -> bool:
+        with self._cond:
+            if digest not in self._entries:
+                return False
+            self._entries.move_to_end(digest)
+            return True
 
     def _lock_for(self, digest: str) -> threading.Lock:
-        with self._guard:
+        with self._cond:
             return self._locks.setdefault(digest, threading.Lock())
 
     def ensure(self, digest: str) -> Fetched:
@@ -74,10 +136,10 @@ class AdapterCache:
         ``loaded_digest`` is ``None`` when the files were already on disk (verify them before
         trusting them: see ``verify``).
         """
-        if self.has(digest):
+        if self._touch(digest):
             return Fetched(self.path_for(digest), None, None, None)
         with self._lock_for(digest):
-            if self.has(digest):
+            if self._touch(digest):
                 return Fetched(self.path_for(digest), None, None, None)
             return self._download(digest)
 
@@ -87,18 +149,52 @@ class AdapterCache:
         path = self.path_for(digest)
         observed = manifest_of(path).digest()
         if observed != digest:
+            with self._cond:
+                self._entries.pop(digest, None)
             shutil.rmtree(path, ignore_errors=True)
             raise AdapterIntegrityError(
                 f"Cached files of revision {digest} hash to {observed}; they were removed."
             )
         return observed, _ms(start)
 
+    def _evict_until(self, needed: int) -> bool:
+        """Evict unheld entries, oldest first, until ``needed`` more bytes fit. Lock held."""
+        used = sum(self._entries.values()) + self._reserved
+        for digest in list(self._entries):
+            if used + needed <= self._max_bytes:
+                break
+            if self._holds.get(digest):
+                continue
+            used -= self._entries.pop(digest)
+            shutil.rmtree(self.path_for(digest), ignore_errors=True)
+            log.info("disk cache evicted %s", digest)
+        return used + needed <= self._max_bytes
+
+    def _reserve(self, digest: str, size: int) -> None:
+        if size > self._max_bytes:
+            raise AdapterUnavailableError(
+                f"Revision {digest} is {size} bytes, more than this worker's disk cache "
+                f"({self._max_bytes} bytes)."
+            )
+        deadline = time.monotonic() + self._wait_s
+        with self._cond:
+            while not self._evict_until(size):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AdapterUnavailableError(
+                        f"The disk cache is full of adapters in use; {digest} could not be "
+                        f"fetched within {self._wait_s:.0f} s."
+                    )
+                self._cond.wait(remaining)
+            self._reserved += size
+
     def _download(self, digest: str) -> Fetched:
         start = time.perf_counter()
+        manifest = self._fetch_manifest(digest)
+        self._reserve(digest, manifest.size_bytes)
         tmp = self._root / "tmp" / f"{digest.removeprefix(DIGEST_PREFIX)}.{uuid.uuid4().hex}"
-        tmp.mkdir()
         try:
-            manifest = self._fetch_manifest(digest)
+            tmp.mkdir()
             observed = tuple(self._fetch_file(entry, tmp) for entry in manifest.files)
             fetch_ms = _ms(start)
             verify_start = time.perf_counter()
@@ -108,14 +204,15 @@ class AdapterCache:
                     f"Downloaded files of revision {digest} hash to {loaded}; refused."
                 )
             final = self.path_for(digest)
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                if not final.is_dir():
-                    raise
+            os.rename(tmp, final)
+            with self._cond:
+                self._entries[digest] = manifest.size_bytes
             return Fetched(final, loaded, fetch_ms, _ms(verify_start))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            with self._cond:
+                self._reserved -= manifest.size_bytes
+                self._cond.notify_all()
 
     def _get(self, key: str) -> Any:
         try:

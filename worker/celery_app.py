@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_init, worker_shutdown
+from celery.signals import worker_init, worker_ready, worker_shutdown
 
 from contracts.queues import ALL_QUEUES
 from worker.config import get_settings
@@ -52,8 +52,23 @@ def _start_runtime(**_: Any) -> None:
         import sentry_sdk
 
         sentry_sdk.init(dsn=settings.sentry_dsn, send_default_pii=False)
-    _runtime = WorkerRuntime(settings)
-    _runtime.start()
+    candidate = WorkerRuntime(settings)
+    try:
+        candidate.start()
+    except Exception:
+        # Celery logs and swallows exceptions from signal handlers; a worker without its
+        # engine must not consume jobs, so leave for real.
+        log.exception("worker runtime failed to start")
+        candidate.close()
+        raise SystemExit(1) from None
+    _runtime = candidate
+
+
+@worker_ready.connect
+def _announce(**_: Any) -> None:
+    # Only now does the consumer (and its remote-control mailbox) run: announce readiness here,
+    # not when the engine is up, so "ready" means "taking jobs".
+    runtime().announce()
 
 
 @worker_shutdown.connect

@@ -6,7 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The ranks vLLM accepts for max_lora_rank; anything else fails at engine start, so refuse early.
@@ -33,9 +33,11 @@ class WorkerSettings(BaseSettings):
     max_model_len: int | None = Field(
         default=None, description="Context length; `None` takes the model's own."
     )
-    max_loras: int = Field(default=2, ge=1, description="Adapters active in one batch (GPU slots).")
+    max_loras: int = Field(
+        default=4, ge=1, description="GPU adapter slots; pinned hot adapters hold some of them."
+    )
     max_cpu_loras: int = Field(
-        default=4, ge=1, description="Adapters kept registered in the engine's CPU cache."
+        default=8, ge=1, description="Adapters kept registered in the engine's CPU cache."
     )
     max_lora_rank: LoraRank = Field(default=8, description="Largest adapter rank served.")
     gpu_memory_utilization: float = Field(
@@ -46,6 +48,14 @@ class WorkerSettings(BaseSettings):
     )
     cache_dir: Path = Field(
         default=Path(".lorafleet/cache"), description="Local disk cache of adapter artifacts."
+    )
+    disk_cache_bytes: int = Field(
+        default=20 * 1024**3, gt=0, description="Byte bound of the local adapter disk cache (LRU)."
+    )
+    disk_wait_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long a download waits for in-use adapters to free disk cache space.",
     )
     s3_endpoint_url: str | None = Field(
         default=None, description="S3-compatible endpoint (MinIO, R2, moto); `None` is AWS S3."
@@ -69,6 +79,12 @@ class WorkerSettings(BaseSettings):
         validation_alias="SENTRY_DSN",
         description="Report unhandled errors to Sentry when set.",
     )
+
+    @model_validator(mode="after")
+    def _cpu_cache_holds_gpu_slots(self) -> WorkerSettings:
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be at least max_loras")
+        return self
 
     @property
     def effective_broker_url(self) -> str:

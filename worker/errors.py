@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from contracts.errors import ErrorCode
+from contracts.jobs import ResultMetadata
 
 
 class JobFailure(Exception):
@@ -12,6 +13,8 @@ class JobFailure(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+        # What the worker observed before failing (set by the runner).
+        self.metadata: ResultMetadata | None = None
 
 
 class AdapterIntegrityError(JobFailure):

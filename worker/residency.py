@@ -1,4 +1,4 @@
-"""Where an adapter lives (engine, disk, S3), observed, and how it gets into the engine.
+"""Where an adapter lives (GPU slot, engine CPU cache, disk, S3), observed, and how it moves.
 
 The engine knows an adapter as ``alias@<digest prefix>`` with an integer id fixed for that
 digest in this process, so two revisions never share a name or an id (vLLM keys its caches
@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from vllm.lora.request import LoRARequest
@@ -22,25 +25,60 @@ from worker.errors import AdapterIntegrityError
 
 @dataclass(frozen=True)
 class Resident:
-    """An adapter ready in the engine, with what this job observed on the way."""
+    """An adapter ready in the engine, with the digest of the files it was given."""
 
     request: LoRARequest
-    residency_before: Residency
     loaded_digest: str
-    load_ms: LoadTimings
+
+
+class SlotGate:
+    """Bounds the distinct unpinned adapters with requests in the engine at once.
+
+    vLLM's scheduler admits up to ``max_loras`` distinct adapters per step without counting
+    pinned ones, yet pinned adapters keep their GPU slots: a step with ``max_loras`` unpinned
+    adapters then has no slot for one of them and the engine fails. Keeping in-flight unpinned
+    adapters at ``max_loras - pinned`` makes every step fit.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._cond = threading.Condition()
+        self._active: Counter[int] = Counter()
+
+    def set_capacity(self, capacity: int) -> None:
+        with self._cond:
+            self._capacity = capacity
+            self._cond.notify_all()
+
+    @contextmanager
+    def slot(self, lora_id: int) -> Iterator[None]:
+        with self._cond:
+            while lora_id not in self._active and len(self._active) >= self._capacity:
+                self._cond.wait()
+            self._active[lora_id] += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active[lora_id] -= 1
+                if self._active[lora_id] == 0:
+                    del self._active[lora_id]
+                self._cond.notify_all()
 
 
 class EngineAdapters:
     """Makes verified adapters resident in the engine, once per digest at a time."""
 
-    def __init__(self, host: EngineHost, cache: AdapterCache) -> None:
+    def __init__(self, host: EngineHost, cache: AdapterCache, max_loras: int) -> None:
         self._host = host
         self._cache = cache
+        self._max_loras = max_loras
         self._guard = threading.Lock()
         self._ids: dict[str, int] = {}
         self._handed: dict[int, str] = {}
         self._pinned: set[int] = set()
         self._locks: dict[str, threading.Lock] = {}
+        self._gate = SlotGate(max_loras)
 
     def _id_for(self, digest: str) -> int:
         with self._guard:
@@ -52,44 +90,76 @@ class EngineAdapters:
         with self._guard:
             return self._locks.setdefault(digest, threading.Lock())
 
+    def request_for(self, alias: str, digest: str) -> LoRARequest:
+        return LoRARequest(
+            lora_name=f"{alias}@{short(digest)}",
+            lora_int_id=self._id_for(digest),
+            lora_path=str(self._cache.path_for(digest)),
+        )
+
     def registered(self) -> set[int]:
         """Adapter ids the engine holds right now (its own answer, not our bookkeeping)."""
         return set(self._host.run(self._host.engine.list_loras()))
 
+    def is_pinned(self, digest: str) -> bool:
+        return self._id_for(digest) in self._pinned
+
     def observe(self, digest: str) -> Residency:
-        """Residency of ``digest`` at this instant: engine (pinned or not), disk or remote."""
+        """Residency of ``digest`` now: GPU (pinned), engine CPU cache, disk or remote."""
         lora_id = self._id_for(digest)
         if lora_id in self.registered():
             return "gpu" if lora_id in self._pinned else "cpu"
         return "disk" if self._cache.has(digest) else "remote"
 
-    def make_resident(self, alias: str, digest: str) -> Resident:
-        """Ensure ``digest`` is registered in the engine from files verified against it."""
-        lora_id = self._id_for(digest)
-        request = LoRARequest(
-            lora_name=f"{alias}@{short(digest)}",
-            lora_int_id=lora_id,
-            lora_path=str(self._cache.path_for(digest)),
-        )
-        before = self.observe(digest)
-        timings = LoadTimings()
+    def make_resident(self, alias: str, digest: str, timings: LoadTimings) -> Resident:
+        """Ensure ``digest`` is on disk and registered in the engine from verified files.
+
+        The caller holds ``digest`` in the disk cache. ``timings`` receives the phases this
+        call ran (fetch, verify, engine_load), each as it completes.
+        """
+        request = self.request_for(alias, digest)
+        lora_id = request.lora_int_id
         with self._lock_for(digest):
-            if lora_id in self.registered():
-                return Resident(request, before, self._handed[lora_id], timings)
             fetched = self._cache.ensure(digest)
             timings.fetch = fetched.fetch_ms
+            timings.verify = fetched.verify_ms
+            registered = lora_id in self.registered() and lora_id in self._handed
+            if registered:
+                return Resident(request, self._handed[lora_id])
             if fetched.loaded_digest is None:
                 loaded, timings.verify = self._cache.verify(digest)
             else:
-                loaded, timings.verify = fetched.loaded_digest, fetched.verify_ms
+                loaded = fetched.loaded_digest
             if loaded != digest:
                 raise AdapterIntegrityError(f"Files for {digest} hash to {loaded}; refused.")
             start = time.perf_counter()
             self._host.run(self._host.engine.add_lora(request))
             timings.engine_load = round((time.perf_counter() - start) * 1000, 3)
             self._handed[lora_id] = loaded
-        return Resident(request, before, loaded, timings)
+        return Resident(request, loaded)
+
+    def pin(self, alias: str, digest: str) -> Resident:
+        """Load ``digest`` into a GPU slot for good (the caller keeps it held on disk)."""
+        if len(self._pinned) + 1 >= self._max_loras:
+            raise RuntimeError(
+                f"pinning {alias} would leave no free GPU adapter slot (max_loras="
+                f"{self._max_loras}, already pinned {len(self._pinned)})"
+            )
+        resident = self.make_resident(alias, digest, LoadTimings())
+        self._host.run(self._host.engine.pin_lora(resident.request.lora_int_id))
+        self._pinned.add(resident.request.lora_int_id)
+        self._gate.set_capacity(self._max_loras - len(self._pinned))
+        return resident
 
     def handed_digest(self, request: LoRARequest) -> str | None:
         """Digest of the files last handed to the engine under ``request``'s id."""
         return self._handed.get(request.lora_int_id)
+
+    @contextmanager
+    def in_flight(self, request: LoRARequest) -> Iterator[None]:
+        """Hold a GPU slot for ``request``'s adapter while it has a request in the engine."""
+        if request.lora_int_id in self._pinned:
+            yield
+            return
+        with self._gate.slot(request.lora_int_id):
+            yield

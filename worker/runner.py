@@ -14,8 +14,18 @@ from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind
 
 from contracts.errors import ErrorCode
-from contracts.jobs import EngineInfo, JobMessage, JobResult, ResultMetadata, Sampling, Usage
+from contracts.jobs import (
+    EngineInfo,
+    JobMessage,
+    JobResult,
+    LoadTimings,
+    Residency,
+    ResultMetadata,
+    Sampling,
+    Usage,
+)
 from contracts.registry import BaseModelRef
+from worker.adapter_cache import AdapterCache
 from worker.engine import ENGINE_NAME, ENGINE_VERSION, EngineHost
 from worker.errors import AdapterIntegrityError, JobFailure
 from worker.residency import EngineAdapters
@@ -40,12 +50,21 @@ def _sampling_params(sampling: Sampling) -> SamplingParams:
 
 
 class JobRunner:
-    """Turns a ``JobMessage`` into a result plus observed metadata, or raises ``JobFailure``."""
+    """Turns a ``JobMessage`` into a result plus observed metadata, or raises ``JobFailure``.
+
+    A failure carries the metadata observed up to the point of failure (``metadata``).
+    """
 
     def __init__(
-        self, host: EngineHost, adapters: EngineAdapters, base_model: BaseModelRef, hostname: str
+        self,
+        host: EngineHost,
+        cache: AdapterCache,
+        adapters: EngineAdapters,
+        base_model: BaseModelRef,
+        hostname: str,
     ) -> None:
         self._host = host
+        self._cache = cache
         self._adapters = adapters
         self._base_model = base_model
         self._hostname = hostname
@@ -56,39 +75,61 @@ class JobRunner:
 
     def run(self, message: JobMessage) -> tuple[JobResult, ResultMetadata]:
         started = time.time()
-        if message.base_model.digest != self._base_model.digest:
-            raise JobFailure(
-                ErrorCode.BASE_MODEL_MISMATCH,
-                f"Adapter {message.adapter} targets base model {message.base_model.digest}, "
-                f"but this worker serves {self._base_model.digest}.",
-            )
-        resident = self._adapters.make_resident(message.adapter, message.revision)
-        handed = self._adapters.handed_digest(resident.request)
-        verified = resident.loaded_digest == message.revision and handed == message.revision
-        if not verified:
-            # Fail closed: the engine holds something other than the admitted revision.
-            raise AdapterIntegrityError(
-                f"Revision {message.revision} was admitted but the engine holds {handed}."
-            )
-        generation = self._host.run(
-            self._generate(message.job_id, message.prompt, message.sampling, resident.request)
+        timings = LoadTimings()
+        residency: Residency = "unknown"
+        try:
+            if message.base_model.digest != self._base_model.digest:
+                raise JobFailure(
+                    ErrorCode.BASE_MODEL_MISMATCH,
+                    f"Adapter {message.adapter} targets base model {message.base_model.digest}, "
+                    f"but this worker serves {self._base_model.digest}.",
+                )
+            with self._cache.hold(message.revision):
+                residency = self._adapters.observe(message.revision)
+                resident = self._adapters.make_resident(message.adapter, message.revision, timings)
+                handed = self._adapters.handed_digest(resident.request)
+                if resident.loaded_digest != message.revision or handed != message.revision:
+                    # Fail closed: the engine holds something other than the admitted revision.
+                    raise AdapterIntegrityError(
+                        f"Revision {message.revision} was admitted but the engine holds {handed}."
+                    )
+                with self._adapters.in_flight(resident.request):
+                    generation = self._host.run(
+                        self._generate(
+                            message.job_id, message.prompt, message.sampling, resident.request
+                        )
+                    )
+        except JobFailure as failure:
+            failure.metadata = self._metadata(message, started, residency, timings, None, None)
+            raise
+        metadata = self._metadata(
+            message, started, residency, timings, resident.loaded_digest, generation.ttft_ms
         )
-        finished = time.time()
-        metadata = ResultMetadata(
+        return generation.result, metadata
+
+    def _metadata(
+        self,
+        message: JobMessage,
+        started: float,
+        residency: Residency,
+        timings: LoadTimings,
+        loaded_digest: str | None,
+        ttft_ms: float | None,
+    ) -> ResultMetadata:
+        return ResultMetadata(
             adapter=message.adapter,
             revision=message.revision,
-            loaded_digest=resident.loaded_digest,
-            identity_verified=verified,
+            loaded_digest=loaded_digest,
+            identity_verified=loaded_digest == message.revision,
             base_model=self._base_model,
-            residency_before=resident.residency_before,
-            load_ms=resident.load_ms,
+            residency_before=residency,
+            load_ms=timings,
             queue_wait_ms=round((started - message.accepted_at) * 1000, 3),
-            ttft_ms=generation.ttft_ms,
-            e2e_ms=round((finished - message.accepted_at) * 1000, 3),
+            ttft_ms=ttft_ms,
+            e2e_ms=round((time.time() - message.accepted_at) * 1000, 3),
             worker=self._hostname,
             engine=EngineInfo(name=ENGINE_NAME, version=ENGINE_VERSION),
         )
-        return generation.result, metadata
 
     async def _generate(
         self, job_id: str, prompt: str, sampling: Sampling, lora: LoRARequest

@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import boto3
@@ -15,12 +16,15 @@ from botocore.config import Config
 from redis import Redis
 
 from contracts.digests import manifest_of
+from contracts.jobs import LoadTimings
 from contracts.keys import WORKERS_INDEX, worker_key
-from contracts.registry import BaseModelRef
+from contracts.registry import AdapterRecord, BaseModelRef
 from worker.adapter_cache import AdapterCache
 from worker.config import WorkerSettings
 from worker.engine import ENGINE_VERSION, EngineHost, EngineOptions
+from worker.errors import JobFailure
 from worker.job_store import JobStore
+from worker.registry import preload_sets
 from worker.residency import EngineAdapters
 from worker.runner import JobRunner
 
@@ -60,22 +64,61 @@ class WorkerRuntime:
         self.worker_id = f"{self.hostname}:{os.getpid()}"
         self.redis = Redis.from_url(settings.redis_url, decode_responses=True)
         self.jobs = JobStore(self.redis, settings.job_ttl_s)
-        self.cache = AdapterCache(settings.cache_dir, s3_client(settings), settings.s3_bucket)
+        self.cache = AdapterCache(
+            settings.cache_dir,
+            s3_client(settings),
+            settings.s3_bucket,
+            max_bytes=settings.disk_cache_bytes,
+            wait_s=settings.disk_wait_s,
+        )
         self.base_model = base_model_ref(settings.model)
         self.host = EngineHost(EngineOptions.from_settings(settings))
+        self.adapters = EngineAdapters(self.host, self.cache, settings.max_loras)
         self.runner = JobRunner(
-            self.host, EngineAdapters(self.host, self.cache), self.base_model, self.hostname
+            self.host, self.cache, self.adapters, self.base_model, self.hostname
         )
+        self.pinned: list[str] = []
+        self._pinned_holds = ExitStack()
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
 
     def start(self) -> None:
-        """Start the engine (blocks until it serves), then announce the worker."""
+        """Check the slot budget, start the engine, preload hot and warm adapters."""
+        hot, warm = preload_sets(self.redis, self.base_model.digest)
+        if len(hot) >= self.settings.max_loras:
+            raise RuntimeError(
+                f"{len(hot)} hot adapters would take every GPU adapter slot (max_loras="
+                f"{self.settings.max_loras}); at least one must stay free for other adapters. "
+                "Raise LORAFLEET_MAX_LORAS or move adapters to the warm tier."
+            )
         started = time.perf_counter()
         self.host.start()
         log.info("engine ready in %.1f s", time.perf_counter() - started)
+        self._preload(hot, warm)
+
+    def announce(self) -> None:
+        """Tell the fleet this worker consumes jobs; refreshed until ``close``."""
         self._announce()
         self._heartbeat.start()
+
+    def _preload(self, hot: list[AdapterRecord], warm: list[AdapterRecord]) -> None:
+        """Pin hot adapters in GPU slots; register warm ones in the engine's CPU cache."""
+        for record in hot:
+            self._pinned_holds.enter_context(self.cache.hold(record.digest))
+            try:
+                resident = self.adapters.pin(record.alias, record.digest)
+            except JobFailure as failure:
+                log.error("hot adapter %s not pinned: %s", record.alias, failure.message)
+                continue
+            self.pinned.append(resident.request.lora_name)
+        room = self.settings.max_cpu_loras - len(self.pinned)
+        for record in warm[: max(room, 0)]:
+            try:
+                with self.cache.hold(record.digest):
+                    self.adapters.make_resident(record.alias, record.digest, LoadTimings())
+            except JobFailure as failure:
+                log.error("warm adapter %s not preloaded: %s", record.alias, failure.message)
+        log.info("pinned %s; warm preloaded: %d", self.pinned, min(len(warm), max(room, 0)))
 
     def _announce(self) -> None:
         record = {
@@ -85,6 +128,9 @@ class WorkerRuntime:
             "engine_version": ENGINE_VERSION,
             "max_loras": self.settings.max_loras,
             "max_cpu_loras": self.settings.max_cpu_loras,
+            "pinned": self.pinned,
+            "disk_cache_bytes": self.cache.used_bytes(),
+            "disk_cache_max_bytes": self.cache.max_bytes,
             "seen_at": time.time(),
         }
         ttl_s = int(self.settings.heartbeat_s * 3) + 1
@@ -109,3 +155,4 @@ class WorkerRuntime:
         except Exception as exc:
             log.warning("could not withdraw worker record: %s", exc)
         self.host.shutdown()
+        self._pinned_holds.close()

@@ -37,7 +37,9 @@ def run_job(payload: dict[str, Any]) -> None:
         result, metadata = rt.runner.run(message)
     except JobFailure as failure:
         log.warning("job %s failed: %s %s", message.job_id, failure.code, failure.message)
-        rt.jobs.fail(running, ErrorBody(code=failure.code, message=failure.message), None)
+        rt.jobs.fail(
+            running, ErrorBody(code=failure.code, message=failure.message), failure.metadata
+        )
         return
     except Exception as exc:
         log.exception("job %s crashed", message.job_id)

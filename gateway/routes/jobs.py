@@ -18,7 +18,7 @@ from gateway import job_store
 from gateway.deps import ProducerDep, RedisDep, SettingsDep
 from gateway.errors import ApiError
 from gateway.queue import enqueue
-from gateway.registry import resolve_alias
+from gateway.registry import resolve
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -44,15 +44,23 @@ async def create_job(
 ) -> JobAccepted:
     """Resolve the adapter alias to its revision, record the job, enqueue it on its tier."""
     try:
-        record = await resolve_alias(redis, body.adapter)
+        resolved = await resolve(redis, body.adapter)
     except (RedisError, OSError) as exc:
         raise _unavailable("the registry is unreachable", exc) from exc
-    if record is None:
+    if resolved is None:
         raise ApiError(
             404,
             ErrorCode.ADAPTER_NOT_FOUND,
             f"No adapter named {body.adapter!r} is available. Nothing was enqueued.",
         )
+    if resolved.retired:
+        raise ApiError(
+            410,
+            ErrorCode.ADAPTER_RETIRED,
+            f"Adapter {resolved.record.alias!r} is retired and takes no new jobs. "
+            "Nothing was enqueued.",
+        )
+    record = resolved.record
 
     accepted_at = time.time()
     job_id = uuid.uuid4().hex
@@ -61,6 +69,7 @@ async def create_job(
         id=job_id,
         status=JobStatus.QUEUED,
         adapter=record.alias,
+        channel=resolved.channel,
         revision=record.digest,
         queue=queue,
         created_at=datetime.fromtimestamp(accepted_at, tz=UTC),
@@ -94,6 +103,7 @@ async def create_job(
         id=job_id,
         status=JobStatus.QUEUED,
         adapter=record.alias,
+        channel=resolved.channel,
         revision=record.digest,
         queue=queue,
     )

@@ -12,18 +12,12 @@ from contracts.jobs import JobPublic, JobStatus
 from contracts.registry import AdapterRecord
 from lorafleet.client import JobsClient
 from lorafleet.fixtures import AdapterSpec
+from tests.helpers import run_jobs
 from tests.oracle import PeftOracle
 
 PROMPTS = ["Extract the total amount", "Translate the paragraph into", "The quick brown fox"]
 MAX_TOKENS = 8
 GREEDY: dict[str, Any] = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
-
-
-async def _run_all(gateway_url: str, work: list[tuple[str, str]]) -> list[JobPublic]:
-    async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as http:
-        client = JobsClient(http)
-        accepted = [await client.submit(alias, prompt, GREEDY) for alias, prompt in work]
-        return list(await asyncio.gather(*(client.wait(job.id, 300) for job in accepted)))
 
 
 def _one_per_kind(specs: list[AdapterSpec]) -> list[AdapterSpec]:
@@ -48,7 +42,7 @@ def test_jobs_match_peft_reference_and_differ_from_base(
     # One adapter at a time: each batch holds a single adapter.
     jobs = []
     for spec in kinds:
-        jobs += asyncio.run(_run_all(gateway_url, [w for w in work if w[0] == spec.name]))
+        jobs += run_jobs(gateway_url, [w for w in work if w[0] == spec.name], GREEDY)
 
     for (alias, prompt), job in zip(work, jobs, strict=True):
         assert job.status == JobStatus.SUCCEEDED, job.error
@@ -70,7 +64,7 @@ def test_mixed_adapter_batch_returns_each_adapters_own_tokens(
     # Every adapter, several prompts, all submitted before any is awaited: the worker runs
     # them concurrently, so batches mix adapters (and exceed max_loras / max_cpu_loras).
     work = [(spec.name, prompt) for prompt in PROMPTS for spec in specs]
-    jobs = asyncio.run(_run_all(gateway_url, work))
+    jobs = run_jobs(gateway_url, work, GREEDY)
 
     wrong = []
     for (alias, prompt), job in zip(work, jobs, strict=True):

@@ -77,7 +77,7 @@ def test_publish_is_idempotent_and_refuses_new_bytes_under_an_old_alias(
     (other / "adapter_config.json").unlink()
     invalid = _cli(["adapters", "publish", str(other), "--alias", "cli-broken"], env)
     assert invalid.returncode == 1
-    assert "adapter_invalid" in invalid.stdout
+    assert "adapter_config_missing" in invalid.stdout
     assert redis.get(adapter_key("cli-broken")) is None
 
     listed = _cli(["adapters", "list"], env)
@@ -164,11 +164,11 @@ def test_interrupted_demo_stops_everything_it_started(tmp_path: Path) -> None:
 
 def test_demo_that_cannot_start_its_worker_fails_cleanly(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    # A rank vLLM does not accept: the worker refuses its settings and exits.
-    env = _isolated_env(state, LORAFLEET_MAX_LORA_RANK="7")
+    # Fewer CPU-cache places than GPU slots: the worker refuses its settings and exits.
+    env = _isolated_env(state, LORAFLEET_MAX_CPU_LORAS="1")
     completed = _cli(["demo", "--jobs", "5", "--report", str(tmp_path / "r.json")], env)
     assert completed.returncode == 1
     assert "demo failed" in completed.stdout
     assert "worker exited" in completed.stdout
-    assert "max_lora_rank" in completed.stdout
+    assert "max_cpu_loras must be at least max_loras" in completed.stdout
     assert processes_with_env(str(state)) == []

@@ -11,10 +11,13 @@ import pytest
 
 from contracts.digests import manifest_of
 from contracts.storage import blob_key
-from lorafleet.publish import ADAPTER_FILES, upload_artifact
+from lorafleet.publish import upload_artifact
 from lorafleet.stack import LocalStack
+from lorafleet.validation import ADAPTER_FILES
 from worker.adapter_cache import AdapterCache
 from worker.errors import AdapterIntegrityError, AdapterUnavailableError
+
+BOUND = 10 * 1024 * 1024
 
 
 class CountingS3:
@@ -54,7 +57,7 @@ def test_fetch_writes_verified_files_and_times_phases(
 ) -> None:
     bucket = infra.settings.s3_bucket
     digest = _publish(s3, bucket, _artifact(tmp_path, "ok", b"weights-ok" * 1000))
-    cache = AdapterCache(tmp_path / "cache", s3, bucket)
+    cache = AdapterCache(tmp_path / "cache", s3, bucket, max_bytes=BOUND)
     assert not cache.has(digest)
     fetched = cache.ensure(digest)
     assert fetched.loaded_digest == digest
@@ -74,7 +77,7 @@ def test_concurrent_requests_for_one_digest_download_once(
     payload = b"concurrent" * 100_000
     digest = _publish(s3, bucket, _artifact(tmp_path, "conc", payload))
     counting = CountingS3(s3)
-    cache = AdapterCache(tmp_path / "cache", counting, bucket)
+    cache = AdapterCache(tmp_path / "cache", counting, bucket, max_bytes=BOUND)
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda _: cache.ensure(digest), range(16)))
     weights_key = blob_key(manifest_of(tmp_path / "conc", ADAPTER_FILES).files[1].sha256)
@@ -90,7 +93,7 @@ def test_tampered_blob_fails_closed_and_leaves_nothing(
     digest = _publish(s3, bucket, directory)
     weights = manifest_of(directory, ADAPTER_FILES).files[1]
     s3.put_object(Bucket=bucket, Key=blob_key(weights.sha256), Body=b"evil-weights" * 100)
-    cache = AdapterCache(tmp_path / "cache", s3, bucket)
+    cache = AdapterCache(tmp_path / "cache", s3, bucket, max_bytes=BOUND)
     with pytest.raises(AdapterIntegrityError) as caught:
         cache.ensure(digest)
     assert caught.value.code == "adapter_integrity"
@@ -100,7 +103,7 @@ def test_tampered_blob_fails_closed_and_leaves_nothing(
 
 
 def test_missing_object_is_adapter_unavailable(infra: LocalStack, s3: Any, tmp_path: Path) -> None:
-    cache = AdapterCache(tmp_path / "cache", s3, infra.settings.s3_bucket)
+    cache = AdapterCache(tmp_path / "cache", s3, infra.settings.s3_bucket, max_bytes=BOUND)
     with pytest.raises(AdapterUnavailableError) as caught:
         cache.ensure("sha256:" + "0" * 64)
     assert caught.value.code == "adapter_unavailable"
@@ -121,7 +124,7 @@ def test_unreachable_store_is_adapter_unavailable(tmp_path: Path) -> None:
         aws_secret_access_key="x",
         config=Config(retries={"max_attempts": 1}, connect_timeout=1),
     )
-    cache = AdapterCache(tmp_path / "cache", client, "bucket")
+    cache = AdapterCache(tmp_path / "cache", client, "bucket", max_bytes=BOUND)
     with pytest.raises(AdapterUnavailableError):
         cache.ensure("sha256:" + "1" * 64)
     assert _leftovers(tmp_path / "cache") == []
@@ -132,9 +135,65 @@ def test_tampered_disk_copy_is_removed_on_verify(
 ) -> None:
     bucket = infra.settings.s3_bucket
     digest = _publish(s3, bucket, _artifact(tmp_path, "disk", b"disk-weights" * 100))
-    cache = AdapterCache(tmp_path / "cache", s3, bucket)
+    cache = AdapterCache(tmp_path / "cache", s3, bucket, max_bytes=BOUND)
     path = cache.ensure(digest).path
     (path / "adapter_model.safetensors").write_bytes(b"flipped")
     with pytest.raises(AdapterIntegrityError):
         cache.verify(digest)
     assert not cache.has(digest)
+
+
+def test_byte_bound_evicts_least_recently_used_unheld_entries(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    bucket = infra.settings.s3_bucket
+    digests = [
+        _publish(s3, bucket, _artifact(tmp_path, f"lru{i}", bytes([i]) * 40_000)) for i in range(4)
+    ]
+    size = manifest_of(tmp_path / "lru0", ADAPTER_FILES).size_bytes
+    cache = AdapterCache(tmp_path / "cache", s3, bucket, max_bytes=3 * size, wait_s=0.5)
+    for digest in digests[:3]:
+        cache.ensure(digest)
+    cache.ensure(digests[0])  # touch: digests[1] is now the least recently used
+    with cache.hold(digests[1]):
+        cache.ensure(digests[3])  # needs room: digests[1] is held, so digests[2] goes
+        assert cache.has(digests[1]) and not cache.has(digests[2])
+    assert cache.has(digests[0]) and cache.has(digests[3])
+    assert cache.used_bytes() <= cache.max_bytes
+    assert not cache.path_for(digests[2]).exists()
+
+
+def test_full_cache_of_held_entries_refuses_instead_of_overflowing(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    bucket = infra.settings.s3_bucket
+    first = _publish(s3, bucket, _artifact(tmp_path, "held", b"h" * 40_000))
+    second = _publish(s3, bucket, _artifact(tmp_path, "wants", b"w" * 40_000))
+    size = manifest_of(tmp_path / "held", ADAPTER_FILES).size_bytes
+    cache = AdapterCache(tmp_path / "cache", s3, bucket, max_bytes=size + 10, wait_s=0.2)
+    with cache.hold(first):
+        cache.ensure(first)
+        with pytest.raises(AdapterUnavailableError) as caught:
+            cache.ensure(second)
+    assert "in use" in caught.value.message
+    assert not cache.has(second)
+    assert list((tmp_path / "cache" / "tmp").iterdir()) == []
+    too_big = AdapterCache(tmp_path / "small", s3, bucket, max_bytes=100)
+    with pytest.raises(AdapterUnavailableError):
+        too_big.ensure(second)
+    assert _leftovers(tmp_path / "small") == []
+
+
+def test_restart_adopts_complete_entries_and_drops_partial_downloads(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    bucket = infra.settings.s3_bucket
+    digest = _publish(s3, bucket, _artifact(tmp_path, "adopt", b"a" * 1000))
+    AdapterCache(tmp_path / "cache", s3, bucket, max_bytes=BOUND).ensure(digest)
+    partial = tmp_path / "cache" / "tmp" / "deadbeef.partial"
+    partial.mkdir()
+    (partial / "adapter_model.safetensors").write_bytes(b"half")
+    restarted = AdapterCache(tmp_path / "cache", s3, bucket, max_bytes=BOUND)
+    assert restarted.has(digest)
+    assert restarted.verify(digest)[0] == digest
+    assert not partial.exists()

@@ -1,0 +1,149 @@
+"""Registry management (CLI side): aliases, retirement and channels, stored in Redis.
+
+Every change is one Lua script, so two operators racing cannot leave a half-made state:
+an alias is never also a channel, a channel never points at a missing or retired alias.
+"""
+
+from __future__ import annotations
+
+import re
+
+from redis import Redis
+
+from contracts.errors import ErrorCode
+from contracts.keys import (
+    ADAPTERS_INDEX,
+    CHANNELS_INDEX,
+    RETIRED_INDEX,
+    adapter_key,
+    channel_key,
+)
+from contracts.registry import SLUG_PATTERN, AdapterRecord
+
+_REGISTER = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return {'name_taken'} end
+local existing = redis.call('GET', KEYS[1])
+if existing then return {'exists', existing} end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[2])
+return {'ok'}
+"""
+
+_SET_CHANNEL = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 'name_taken' end
+if redis.call('EXISTS', KEYS[3]) == 0 then return 'adapter_not_found' end
+if redis.call('SISMEMBER', KEYS[4], ARGV[2]) == 1 then return 'adapter_retired' end
+local previous = redis.call('GET', KEYS[1])
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('SADD', KEYS[5], ARGV[1])
+return previous or ''
+"""
+
+
+class RegistryError(Exception):
+    """A registry change was refused; nothing changed. ``code`` is stable."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def check_name(name: str, what: str) -> None:
+    """Refuse names that are not a safe slug (path separators, dots-only, control chars...)."""
+    if not re.fullmatch(SLUG_PATTERN, name):
+        raise RegistryError(
+            ErrorCode.NAME_INVALID,
+            f"{what} {name!r} is not a valid name: use 1-64 lowercase letters, digits, '.', "
+            "'_' or '-', starting and ending with a letter or digit.",
+        )
+
+
+class Registry:
+    """Synchronous registry operations for the CLI and the local tools."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+        self._register = redis.register_script(_REGISTER)
+        self._set_channel = redis.register_script(_SET_CHANNEL)
+
+    def register(self, record: AdapterRecord) -> AdapterRecord:
+        """Register ``record``; the same digest again is a no-op, other bytes are refused."""
+        outcome = self._register(
+            keys=[adapter_key(record.alias), channel_key(record.alias), ADAPTERS_INDEX],
+            args=[record.model_dump_json(), record.alias],
+        )
+        status = _text(outcome[0])
+        if status == "name_taken":
+            raise RegistryError(
+                ErrorCode.NAME_TAKEN, f"{record.alias!r} is already a channel name."
+            )
+        if status == "exists":
+            existing = AdapterRecord.model_validate_json(_text(outcome[1]))
+            if existing.digest != record.digest:
+                raise RegistryError(
+                    ErrorCode.ALIAS_EXISTS,
+                    f"Alias {record.alias!r} already names {existing.digest}; publish new "
+                    "bytes under a new alias.",
+                )
+            return existing
+        return record
+
+    def get(self, alias: str) -> AdapterRecord | None:
+        raw = self._redis.get(adapter_key(alias))
+        return None if raw is None else AdapterRecord.model_validate_json(_text(raw))
+
+    def require(self, alias: str) -> AdapterRecord:
+        record = self.get(alias)
+        if record is None:
+            raise RegistryError(ErrorCode.ADAPTER_NOT_FOUND, f"No adapter named {alias!r}.")
+        return record
+
+    def list(self) -> list[AdapterRecord]:
+        aliases = sorted(_text(a) for a in self._redis.smembers(ADAPTERS_INDEX))  # type: ignore[union-attr]
+        records = (self.get(alias) for alias in aliases)
+        return [record for record in records if record is not None]
+
+    def retired(self) -> set[str]:
+        return {_text(a) for a in self._redis.smembers(RETIRED_INDEX)}  # type: ignore[union-attr]
+
+    def retire(self, alias: str) -> AdapterRecord:
+        """Stop new admissions for ``alias``; queued jobs keep their revision."""
+        record = self.require(alias)
+        self._redis.sadd(RETIRED_INDEX, alias)
+        return record
+
+    def set_channel(self, name: str, alias: str) -> str | None:
+        """Point channel ``name`` at ``alias``; returns the alias it pointed to before."""
+        check_name(name, "Channel")
+        outcome = _text(
+            self._set_channel(
+                keys=[
+                    channel_key(name),
+                    adapter_key(name),
+                    adapter_key(alias),
+                    RETIRED_INDEX,
+                    CHANNELS_INDEX,
+                ],
+                args=[name, alias],
+            )
+        )
+        if outcome == "name_taken":
+            raise RegistryError(ErrorCode.NAME_TAKEN, f"{name!r} is already an adapter alias.")
+        if outcome == "adapter_not_found":
+            raise RegistryError(ErrorCode.ADAPTER_NOT_FOUND, f"No adapter named {alias!r}.")
+        if outcome == "adapter_retired":
+            raise RegistryError(ErrorCode.ADAPTER_RETIRED, f"Adapter {alias!r} is retired.")
+        return outcome or None
+
+    def channel(self, name: str) -> str | None:
+        raw = self._redis.get(channel_key(name))
+        return None if raw is None else _text(raw)
+
+    def channels(self) -> dict[str, str]:
+        names = sorted(_text(n) for n in self._redis.smembers(CHANNELS_INDEX))  # type: ignore[union-attr]
+        return {name: target for name in names if (target := self.channel(name)) is not None}
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

