@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import shutil
 import threading
 import time
@@ -48,6 +49,47 @@ def _ms(start: float) -> float:
 def _missing(error: ClientError) -> bool:
     code = str(error.response.get("Error", {}).get("Code", ""))
     return code in {"NoSuchKey", "404", "NotFound"}
+
+
+class _HashingWriter:
+    """Hashes and writes chunks on a helper thread while the caller keeps reading the network.
+
+    hashlib and file writes release the GIL on large buffers, so verification overlaps the
+    download instead of adding to it: one pass over the bytes, little extra wall time.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._digest = hashlib.sha256()
+        self._handle = path.open("wb")
+        self._chunks: queue.Queue[bytes | None] = queue.Queue(maxsize=16)
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="sha256-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while (chunk := self._chunks.get()) is not None:
+                self._digest.update(chunk)
+                if self._error is None:
+                    self._handle.write(chunk)
+        except OSError as exc:  # keep draining so the producer never blocks
+            self._error = exc
+            while self._chunks.get() is not None:
+                pass
+        finally:
+            self._handle.close()
+
+    def write(self, chunk: bytes) -> None:
+        self._chunks.put(chunk)
+
+    def close(self) -> str:
+        """Wait for every chunk; returns the sha256 hex digest or raises the write error."""
+        if self._thread.is_alive():
+            self._chunks.put(None)
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._digest.hexdigest()
 
 
 class AdapterCache:
@@ -240,21 +282,32 @@ class AdapterCache:
         return manifest
 
     def _fetch_file(self, entry: FileEntry, directory: Path) -> FileEntry:
-        """Stream one blob to disk, hashing as it arrives; returns what was observed."""
+        """Stream one blob to disk, hashing as it arrives; returns what was observed.
+
+        No fsync: files renamed into the cache by an earlier process are re-hashed before
+        the engine may load them, so a torn write after a crash is caught there.
+        """
         body = self._get(blob_key(entry.sha256))
-        digest = hashlib.sha256()
+        writer = _HashingWriter(directory / entry.path)
         size = 0
         try:
-            with (directory / entry.path).open("wb") as handle:
-                for chunk in body.iter_chunks(CHUNK_BYTES):
-                    digest.update(chunk)
-                    size += len(chunk)
-                    handle.write(chunk)
-                handle.flush()
-                os.fsync(handle.fileno())
-        except (BotoCoreError, OSError) as exc:
+            for chunk in body.iter_chunks(CHUNK_BYTES):
+                size += len(chunk)
+                if size > entry.size_bytes:
+                    # Stop before writing past the space reserved for this artifact.
+                    raise AdapterIntegrityError(
+                        f"{entry.path} is larger than its manifest says "
+                        f"({entry.size_bytes} bytes); refused."
+                    )
+                writer.write(chunk)
+        except BotoCoreError as exc:
             raise AdapterUnavailableError(f"Download of {entry.path} failed: {exc}") from exc
-        observed = FileEntry(path=entry.path, sha256=digest.hexdigest(), size_bytes=size)
+        finally:
+            try:
+                sha256 = writer.close()
+            except OSError as exc:
+                raise AdapterUnavailableError(f"Writing {entry.path} failed: {exc}") from exc
+        observed = FileEntry(path=entry.path, sha256=sha256, size_bytes=size)
         if observed != entry:
             raise AdapterIntegrityError(
                 f"{entry.path} does not match its manifest (sha256 {observed.sha256[:12]}..., "
