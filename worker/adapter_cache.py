@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import queue
+import random
 import shutil
 import threading
 import time
@@ -24,6 +25,7 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import ValidationError
+from urllib3.exceptions import HTTPError
 
 from contracts.digests import CHUNK_BYTES, DIGEST_PREFIX, FileEntry, Manifest, manifest_of
 from contracts.storage import blob_key, manifest_key
@@ -49,6 +51,10 @@ def _ms(start: float) -> float:
 def _missing(error: ClientError) -> bool:
     code = str(error.response.get("Error", {}).get("Code", ""))
     return code in {"NoSuchKey", "404", "NotFound"}
+
+
+class _StreamBroken(Exception):
+    """The connection broke while reading an object's body (worth retrying)."""
 
 
 class _HashingWriter:
@@ -102,9 +108,16 @@ class AdapterCache:
     """
 
     def __init__(
-        self, root: Path, s3: Any, bucket: str, max_bytes: int, wait_s: float = 60.0
+        self,
+        root: Path,
+        s3: Any,
+        bucket: str,
+        max_bytes: int,
+        wait_s: float = 60.0,
+        stream_attempts: int = 3,
     ) -> None:
         self._root = root
+        self._stream_attempts = stream_attempts
         self._s3 = s3
         self._bucket = bucket
         self._max_bytes = max_bytes
@@ -284,9 +297,24 @@ class AdapterCache:
     def _fetch_file(self, entry: FileEntry, directory: Path) -> FileEntry:
         """Stream one blob to disk, hashing as it arrives; returns what was observed.
 
-        No fsync: files renamed into the cache by an earlier process are re-hashed before
-        the engine may load them, so a torn write after a crash is caught there.
+        botocore retries failed requests itself; a connection that breaks mid-body is retried
+        here, from the start, up to ``stream_attempts`` times with jittered backoff.
         """
+        for attempt in range(1, self._stream_attempts + 1):
+            try:
+                return self._stream_file(entry, directory)
+            except _StreamBroken as broken:
+                if attempt == self._stream_attempts:
+                    raise AdapterUnavailableError(
+                        f"Download of {entry.path} failed {attempt} times: {broken}"
+                    ) from broken
+                log.warning("download of %s broke (%s); retrying", entry.path, broken)
+                time.sleep(random.uniform(0.5, 1.0) * 0.2 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _stream_file(self, entry: FileEntry, directory: Path) -> FileEntry:
+        # No fsync: files renamed into the cache by an earlier process are re-hashed before
+        # the engine may load them, so a torn write after a crash is caught there.
         body = self._get(blob_key(entry.sha256))
         writer = _HashingWriter(directory / entry.path)
         size = 0
@@ -300,8 +328,8 @@ class AdapterCache:
                         f"({entry.size_bytes} bytes); refused."
                     )
                 writer.write(chunk)
-        except BotoCoreError as exc:
-            raise AdapterUnavailableError(f"Download of {entry.path} failed: {exc}") from exc
+        except (BotoCoreError, HTTPError, ConnectionError) as exc:
+            raise _StreamBroken(str(exc)) from exc
         finally:
             try:
                 sha256 = writer.close()

@@ -70,6 +70,7 @@ class WorkerRuntime:
             settings.s3_bucket,
             max_bytes=settings.disk_cache_bytes,
             wait_s=settings.disk_wait_s,
+            stream_attempts=settings.s3_max_attempts,
         )
         self.base_model = base_model_ref(settings.model)
         self.host = EngineHost(EngineOptions.from_settings(settings))

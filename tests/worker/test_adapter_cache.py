@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from urllib3.exceptions import ProtocolError
 
 from contracts.digests import manifest_of
 from contracts.storage import blob_key
@@ -197,3 +198,54 @@ def test_restart_adopts_complete_entries_and_drops_partial_downloads(
     assert restarted.has(digest)
     assert restarted.verify(digest)[0] == digest
     assert not partial.exists()
+
+
+class _BreaksOnce:
+    """Real S3 client whose first body read of ``key`` fails mid-stream (a dropped link)."""
+
+    def __init__(self, client: Any, key: str) -> None:
+        self._client = client
+        self._key = key
+        self.broken = 0
+
+    def get_object(self, **kwargs: Any) -> Any:
+        response = self._client.get_object(**kwargs)
+        if kwargs["Key"] == self._key and not self.broken:
+            self.broken += 1
+            real = response["Body"]
+
+            class Body:
+                def iter_chunks(self, size: int) -> Any:
+                    yield real.read(size)
+                    raise ProtocolError("Connection broken: IncompleteRead")
+
+            response["Body"] = Body()
+        return response
+
+
+def test_a_body_that_breaks_mid_stream_is_fetched_again(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    bucket = infra.settings.s3_bucket
+    directory = _artifact(tmp_path, "flaky", b"flaky-weights" * 200_000)
+    digest = _publish(s3, bucket, directory)
+    weights = blob_key(manifest_of(directory, ADAPTER_FILES).files[1].sha256)
+    flaky = _BreaksOnce(s3, weights)
+    cache = AdapterCache(tmp_path / "cache", flaky, bucket, max_bytes=BOUND)
+    assert cache.ensure(digest).loaded_digest == digest
+    assert flaky.broken == 1
+
+
+def test_object_larger_than_its_manifest_is_cut_off_and_refused(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    bucket = infra.settings.s3_bucket
+    directory = _artifact(tmp_path, "grown", b"small" * 100)
+    digest = _publish(s3, bucket, directory)
+    weights = manifest_of(directory, ADAPTER_FILES).files[1]
+    s3.put_object(Bucket=bucket, Key=blob_key(weights.sha256), Body=b"x" * 3_000_000)
+    cache = AdapterCache(tmp_path / "cache", s3, bucket, max_bytes=BOUND)
+    with pytest.raises(AdapterIntegrityError) as caught:
+        cache.ensure(digest)
+    assert "larger than its manifest" in caught.value.message
+    assert _leftovers(tmp_path / "cache") == []
