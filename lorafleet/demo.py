@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -69,6 +70,8 @@ def run_demo(settings: LocalSettings, jobs: int, report_path: Path, console: Con
 
         console.print("      starting gateway and worker (the engine takes ~40 s on a CPU)")
         started = time.perf_counter()
+        # A fresh disk cache each run, so the cold tier really starts in S3.
+        shutil.rmtree(stack.state_dir / "cache", ignore_errors=True)
         stack.start_services()
         console.print(f"      ready in {time.perf_counter() - started:.0f} s: {stack.gateway_url}")
 
