@@ -79,6 +79,7 @@ class WorkerRuntime:
             self.host, self.cache, self.adapters, self.base_model, self.hostname
         )
         self.pinned: list[str] = []
+        self.warm_preloaded: list[str] = []
         self._pinned_holds = ExitStack()
         self._stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
@@ -116,10 +117,14 @@ class WorkerRuntime:
         for record in warm[: max(room, 0)]:
             try:
                 with self.cache.hold(record.digest):
-                    self.adapters.make_resident(record.alias, record.digest, LoadTimings())
+                    resident = self.adapters.make_resident(
+                        record.alias, record.digest, LoadTimings()
+                    )
             except JobFailure as failure:
                 log.error("warm adapter %s not preloaded: %s", record.alias, failure.message)
-        log.info("pinned %s; warm preloaded: %d", self.pinned, min(len(warm), max(room, 0)))
+                continue
+            self.warm_preloaded.append(resident.request.lora_name)
+        log.info("pinned %s; warm preloaded %s", self.pinned, self.warm_preloaded)
 
     def _announce(self) -> None:
         record = {
@@ -130,6 +135,7 @@ class WorkerRuntime:
             "max_loras": self.settings.max_loras,
             "max_cpu_loras": self.settings.max_cpu_loras,
             "pinned": self.pinned,
+            "warm_preloaded": self.warm_preloaded,
             "disk_cache_bytes": self.cache.used_bytes(),
             "disk_cache_max_bytes": self.cache.max_bytes,
             "seen_at": time.time(),

@@ -99,14 +99,7 @@ async def create_job(
         raise _unavailable("the queue is unreachable", exc) from exc
 
     response.headers["Location"] = f"/v1/jobs/{job_id}"
-    return JobAccepted(
-        id=job_id,
-        status=JobStatus.QUEUED,
-        adapter=record.alias,
-        channel=resolved.channel,
-        revision=record.digest,
-        queue=queue,
-    )
+    return JobAccepted.model_validate(job.model_dump(include=set(JobAccepted.model_fields)))
 
 
 @router.get("/{job_id}", response_model=JobPublic, response_model_exclude_none=False)

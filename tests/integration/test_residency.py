@@ -195,3 +195,42 @@ def test_worker_refuses_to_start_when_hot_adapters_fill_every_slot(
     )
     assert completed.returncode != 0
     assert "would take every GPU adapter slot" in completed.stdout + completed.stderr
+
+
+def test_warm_adapters_are_preloaded_into_the_engine_cache_at_start(
+    stack: LocalStack, redis: Redis, published: dict[str, AdapterRecord]
+) -> None:
+    warm = sorted(r.alias for r in published.values() if r.tier == Tier.WARM)
+    record = _worker_record(redis)
+    room = MAX_CPU_LORAS - len(record["pinned"])
+    preloaded = [name.split("@")[0] for name in record["warm_preloaded"]]
+    assert preloaded == warm[:room]
+
+
+def test_adapter_for_another_base_model_fails_before_any_load(
+    stack: LocalStack, publisher: Publisher, published: dict[str, AdapterRecord]
+) -> None:
+    source = published["lora-05-r4-qkvo"]
+    foreign = source.model_copy(
+        update={
+            "alias": "foreign-base",
+            "base_model": source.base_model.model_copy(update={"digest": "sha256:" + "f" * 64}),
+        }
+    )
+    publisher.registry.register(foreign)
+    (job,) = run_jobs(stack.gateway_url, [("foreign-base", PROMPT)], GREEDY)
+    assert job.status == JobStatus.FAILED
+    assert job.error is not None and job.error.code == "base_model_mismatch"
+    assert job.metadata is not None and job.metadata.load_ms.engine_load is None
+
+
+def test_artifact_missing_from_s3_is_adapter_unavailable(
+    stack: LocalStack, publisher: Publisher, published: dict[str, AdapterRecord]
+) -> None:
+    source = published["lora-05-r4-qkvo"]
+    ghost = source.model_copy(update={"alias": "ghost", "digest": "sha256:" + "0" * 64})
+    publisher.registry.register(ghost)
+    (job,) = run_jobs(stack.gateway_url, [("ghost", PROMPT)], GREEDY)
+    assert job.status == JobStatus.FAILED
+    assert job.error is not None and job.error.code == "adapter_unavailable"
+    assert job.result is None

@@ -172,3 +172,34 @@ def test_demo_that_cannot_start_its_worker_fails_cleanly(tmp_path: Path) -> None
     assert "worker exited" in completed.stdout
     assert "max_cpu_loras must be at least max_loras" in completed.stdout
     assert processes_with_env(str(state)) == []
+
+
+def test_registry_commands_show_retire_and_move_channels(
+    infra: LocalStack, fixtures_dir: Path, tmp_path: Path, published: dict[str, AdapterRecord]
+) -> None:
+    env = _isolated_env(
+        tmp_path / "state",
+        LORAFLEET_REDIS_URL=infra.redis_url,
+        LORAFLEET_S3_ENDPOINT_URL=infra.s3_endpoint_url,
+        LORAFLEET_S3_BUCKET=infra.settings.s3_bucket,
+        LORAFLEET_MODEL=str(fixtures_dir / "base"),
+        **LOCAL_AWS,
+    )
+    source = fixtures_dir / "adapters" / "lora-08-r8-qv"
+    assert _cli(["adapters", "publish", str(source), "--alias", "cli-a"], env).returncode == 0
+    shown = _cli(["adapters", "show", "cli-a"], env)
+    assert json.loads(shown.stdout)["retired"] is False
+
+    assert _cli(["channels", "set", "cli-chan", "cli-a"], env).returncode == 0
+    assert "cli-chan -> cli-a" in _cli(["channels", "show", "cli-chan"], env).stdout
+    assert "cli-chan -> cli-a" in _cli(["channels", "show"], env).stdout
+    missing = _cli(["channels", "show", "cli-nope"], env)
+    assert missing.returncode == 1 and "channel_not_found" in missing.stdout
+
+    assert _cli(["adapters", "retire", "cli-a"], env).returncode == 0
+    assert json.loads(_cli(["adapters", "show", "cli-a"], env).stdout)["retired"] is True
+    assert "retired" in _cli(["adapters", "list"], env).stdout
+    refused = _cli(["channels", "set", "cli-chan-2", "cli-a"], env)
+    assert refused.returncode == 1 and "adapter_retired" in refused.stdout
+    unknown = _cli(["adapters", "show", "cli-never"], env)
+    assert unknown.returncode == 1 and "adapter_not_found" in unknown.stdout
