@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from contracts.telemetry import SENTRY_OPTIONS
 from gateway.config import GatewaySettings, get_settings
 from gateway.errors import install_error_handlers
 from gateway.queue import make_producer
@@ -21,7 +22,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     if settings.sentry_dsn:
         import sentry_sdk
 
-        sentry_sdk.init(dsn=settings.sentry_dsn, send_default_pii=False)
+        sentry_sdk.init(dsn=settings.sentry_dsn, **SENTRY_OPTIONS)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

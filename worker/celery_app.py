@@ -12,6 +12,7 @@ from celery import Celery
 from celery.signals import worker_init, worker_ready, worker_shutdown
 
 from contracts.queues import ALL_QUEUES
+from contracts.telemetry import SENTRY_OPTIONS
 from worker.config import get_settings
 from worker.runtime import WorkerRuntime
 
@@ -51,7 +52,7 @@ def _start_runtime(**_: Any) -> None:
     if settings.sentry_dsn:
         import sentry_sdk
 
-        sentry_sdk.init(dsn=settings.sentry_dsn, send_default_pii=False)
+        sentry_sdk.init(dsn=settings.sentry_dsn, **SENTRY_OPTIONS)
     candidate = WorkerRuntime(settings)
     try:
         candidate.start()
