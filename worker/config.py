@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast, get_args
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The ranks vLLM accepts for max_lora_rank; anything else fails at engine start, so refuse early.
 LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+LORA_RANKS: tuple[int, ...] = get_args(LoraRank)
 
 
 class WorkerSettings(BaseSettings):
@@ -39,7 +40,9 @@ class WorkerSettings(BaseSettings):
     max_cpu_loras: int = Field(
         default=8, ge=1, description="Adapters kept registered in the engine's CPU cache."
     )
-    max_lora_rank: LoraRank = Field(default=8, description="Largest adapter rank served.")
+    max_lora_rank: int = Field(
+        default=8, description="Largest adapter rank served (one of the ranks vLLM accepts)."
+    )
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0, le=1, description="Fraction of accelerator memory vLLM may use."
     )
@@ -79,6 +82,17 @@ class WorkerSettings(BaseSettings):
         validation_alias="SENTRY_DSN",
         description="Report unhandled errors to Sentry when set.",
     )
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _rank_vllm_accepts(cls, value: int) -> int:
+        if value not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {list(LORA_RANKS)}")
+        return value
+
+    @property
+    def lora_rank(self) -> LoraRank:
+        return cast(LoraRank, self.max_lora_rank)
 
     @model_validator(mode="after")
     def _cpu_cache_holds_gpu_slots(self) -> WorkerSettings:

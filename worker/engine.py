@@ -43,7 +43,7 @@ class EngineOptions:
             max_model_len=settings.max_model_len,
             max_loras=settings.max_loras,
             max_cpu_loras=settings.max_cpu_loras,
-            max_lora_rank=settings.max_lora_rank,
+            max_lora_rank=settings.lora_rank,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             enforce_eager=settings.enforce_eager,
         )

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from worker.config import WorkerSettings
+
+
+def test_settings_come_from_the_environment_as_strings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LORAFLEET_MAX_LORA_RANK", "16")
+    monkeypatch.setenv("LORAFLEET_MAX_LORAS", "3")
+    monkeypatch.setenv("LORAFLEET_MAX_CPU_LORAS", "6")
+    monkeypatch.setenv("LORAFLEET_ENFORCE_EAGER", "true")
+    settings = WorkerSettings()
+    assert settings.max_lora_rank == 16 and settings.lora_rank == 16
+    assert (settings.max_loras, settings.max_cpu_loras, settings.enforce_eager) == (3, 6, True)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"LORAFLEET_MAX_LORA_RANK": "7"}, "max_lora_rank must be one of"),
+        ({"LORAFLEET_MAX_LORAS": "4", "LORAFLEET_MAX_CPU_LORAS": "2"}, "max_cpu_loras must be"),
+        ({"LORAFLEET_GPU_MEMORY_UTILIZATION": "1.5"}, "gpu_memory_utilization"),
+    ],
+)
+def test_unsafe_settings_are_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str
+) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValidationError) as caught:
+        WorkerSettings()
+    assert message in str(caught.value)
