@@ -66,7 +66,7 @@ async def pipeline(
         console.print(f"pipeline: {len(work)} concurrent jobs")
         start = time.perf_counter()
         accepted = await asyncio.gather(*(client.submit(a, p, sampling) for a, p in work))
-        done = await asyncio.gather(*(client.wait(job.id, 600, poll_s=0.2) for job in accepted))
+        done = await asyncio.gather(*(client.wait(job.id, 600) for job in accepted))
         elapsed = time.perf_counter() - start
         tokens = sum(job.result.usage.completion_tokens for job in done if job.result)
         console.print(f"pipeline: {len(sequential)} sequential jobs")
@@ -74,7 +74,7 @@ async def pipeline(
         for alias, prompt in sequential:
             begin = time.perf_counter()
             accepted_one = await client.submit(alias, prompt, {"max_tokens": 8, "ignore_eos": True})
-            await client.wait(accepted_one.id, 60, poll_s=0.002)
+            await client.wait(accepted_one.id, 60)
             latencies.append((time.perf_counter() - begin) * 1000)
     return elapsed, tokens, latencies
 

@@ -31,6 +31,10 @@ def job_key(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}"
 
 
+JOB_EVENTS = f"{PREFIX}:job-events"
+"""Pub/sub channel: a job id is published each time a job reaches a terminal state."""
+
+
 def worker_key(hostname: str) -> str:
     """JSON heartbeat a worker writes once its engine is ready, refreshed while it lives."""
     return f"{PREFIX}:worker:{hostname}"

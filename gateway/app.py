@@ -13,6 +13,7 @@ from gateway.config import GatewaySettings, get_settings
 from gateway.errors import install_error_handlers
 from gateway.queue import make_producer
 from gateway.routes import health, jobs
+from gateway.waiter import JobWaiter
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
@@ -34,9 +35,20 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             decode_responses=True,
         )
         app.state.producer = make_producer(settings.effective_broker_url, settings.redis_timeout_s)
+        # Subscriptions idle for long stretches: no socket timeout on this connection.
+        events = Redis.from_url(
+            settings.redis_url,
+            socket_connect_timeout=settings.redis_timeout_s,
+            health_check_interval=30,
+            decode_responses=True,
+        )
+        app.state.waiter = JobWaiter(events)
+        app.state.waiter.start()
         try:
             yield
         finally:
+            await app.state.waiter.stop()
+            await events.aclose()
             await app.state.redis.aclose()
             app.state.producer.close()
 

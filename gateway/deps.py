@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 from redis.asyncio import Redis
 
 from gateway.config import GatewaySettings
+from gateway.waiter import JobWaiter
 
 
 def _settings(request: Request) -> GatewaySettings:
@@ -26,6 +27,12 @@ def _producer(request: Request) -> Celery:
     return producer
 
 
+def _waiter(request: Request) -> JobWaiter:
+    waiter: JobWaiter = request.app.state.waiter
+    return waiter
+
+
 SettingsDep = Annotated[GatewaySettings, Depends(_settings)]
 RedisDep = Annotated[Redis, Depends(_redis)]
 ProducerDep = Annotated[Celery, Depends(_producer)]
+WaiterDep = Annotated[JobWaiter, Depends(_waiter)]

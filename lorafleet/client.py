@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
 import httpx
 
 from contracts.jobs import JobAccepted, JobPublic
+
+LONG_POLL_S = 20.0
 
 
 class GatewayError(Exception):
@@ -35,22 +36,23 @@ class JobsClient:
             raise GatewayError(response.status_code, response.json())
         return JobAccepted.model_validate(response.json())
 
-    async def get(self, job_id: str) -> JobPublic:
-        response = await self._http.get(f"/v1/jobs/{job_id}")
+    async def get(self, job_id: str, wait_s: float = 0.0) -> JobPublic:
+        """The job now, or once finished if that happens within ``wait_s`` (long-poll)."""
+        response = await self._http.get(f"/v1/jobs/{job_id}", params={"wait_s": wait_s})
         if response.status_code != 200:
             raise GatewayError(response.status_code, response.json())
         return JobPublic.model_validate(response.json())
 
-    async def wait(self, job_id: str, timeout_s: float = 300.0, poll_s: float = 0.05) -> JobPublic:
-        """Poll until the job is terminal; raises ``TimeoutError`` past ``timeout_s``."""
+    async def wait(self, job_id: str, timeout_s: float = 300.0) -> JobPublic:
+        """Long-poll until the job is terminal; raises ``TimeoutError`` past ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
-            job = await self.get(job_id)
+            remaining = deadline - time.monotonic()
+            job = await self.get(job_id, wait_s=max(0.0, min(LONG_POLL_S, remaining)))
             if job.status.terminal:
                 return job
-            if time.monotonic() > deadline:
+            if time.monotonic() >= deadline:
                 raise TimeoutError(f"job {job_id} still {job.status} after {timeout_s} s")
-            await asyncio.sleep(poll_s)
 
     async def run(
         self,

@@ -8,7 +8,7 @@ from redis import Redis
 
 from contracts.errors import ErrorBody
 from contracts.jobs import JobPublic, JobResult, JobStatus, ResultMetadata
-from contracts.keys import job_key
+from contracts.keys import JOB_EVENTS, job_key
 
 # Compare-and-set on the status field: a redelivered or late task can never move a job out
 # of succeeded/failed, nor resurrect a record that expired or was never created.
@@ -18,6 +18,7 @@ if not status then return -1 end
 if status == 'succeeded' or status == 'failed' then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'record', ARGV[2])
 redis.call('EXPIRE', KEYS[1], ARGV[3])
+if ARGV[1] == 'succeeded' or ARGV[1] == 'failed' then redis.call('PUBLISH', KEYS[2], ARGV[4]) end
 return 1
 """
 
@@ -38,7 +39,8 @@ class JobStore:
 
     def _write(self, job: JobPublic) -> bool:
         outcome = self._advance(
-            keys=[job_key(job.id)], args=[job.status.value, job.model_dump_json(), self._ttl_s]
+            keys=[job_key(job.id), JOB_EVENTS],
+            args=[job.status.value, job.model_dump_json(), self._ttl_s, job.id],
         )
         return int(outcome) == 1
 

@@ -104,27 +104,36 @@ class EngineAdapters:
     def is_pinned(self, digest: str) -> bool:
         return self._id_for(digest) in self._pinned
 
-    def observe(self, digest: str) -> Residency:
-        """Residency of ``digest`` now: GPU (pinned), engine CPU cache, disk or remote."""
+    def observe(self, digest: str, registered: set[int]) -> Residency:
+        """Residency of ``digest`` given the engine's ``registered`` ids (just asked)."""
         lora_id = self._id_for(digest)
-        if lora_id in self.registered():
+        if lora_id in registered:
             return "gpu" if lora_id in self._pinned else "cpu"
         return "disk" if self._cache.has(digest) else "remote"
 
-    def make_resident(self, alias: str, digest: str, timings: LoadTimings) -> Resident:
+    def make_resident(
+        self, alias: str, digest: str, timings: LoadTimings, registered: set[int]
+    ) -> Resident:
         """Ensure ``digest`` is on disk and registered in the engine from verified files.
 
-        The caller holds ``digest`` in the disk cache. ``timings`` receives the phases this
-        call ran (fetch, verify, engine_load), each as it completes.
+        The caller holds ``digest`` in the disk cache and passes the engine's ``registered``
+        ids, asked just before. ``timings`` receives the phases this call ran (fetch,
+        verify, engine_load), each as it completes.
         """
         request = self.request_for(alias, digest)
         lora_id = request.lora_int_id
+        if lora_id in registered and lora_id in self._handed:
+            # In the engine already. Its files stay on disk (fetched again if evicted) so
+            # vLLM can reload them should it drop the adapter from its own cache.
+            fetched = self._cache.ensure(digest)
+            timings.fetch, timings.verify = fetched.fetch_ms, fetched.verify_ms
+            return Resident(request, self._handed[lora_id])
         with self._lock_for(digest):
             fetched = self._cache.ensure(digest)
             timings.fetch = fetched.fetch_ms
             timings.verify = fetched.verify_ms
-            registered = lora_id in self.registered() and lora_id in self._handed
-            if registered:
+            # Asked again: another job may have loaded it while this one waited for the lock.
+            if lora_id in self.registered() and lora_id in self._handed:
                 return Resident(request, self._handed[lora_id])
             if fetched.loaded_digest is None:
                 loaded, timings.verify = self._cache.verify(digest)
@@ -145,7 +154,7 @@ class EngineAdapters:
                 f"pinning {alias} would leave no free GPU adapter slot (max_loras="
                 f"{self._max_loras}, already pinned {len(self._pinned)})"
             )
-        resident = self.make_resident(alias, digest, LoadTimings())
+        resident = self.make_resident(alias, digest, LoadTimings(), self.registered())
         self._host.run(self._host.engine.pin_lora(resident.request.lora_int_id))
         self._pinned.add(resident.request.lora_int_id)
         self._gate.set_capacity(self._max_loras - len(self._pinned))

@@ -85,8 +85,11 @@ class JobRunner:
                     f"but this worker serves {self._base_model.digest}.",
                 )
             with self._cache.hold(message.revision):
-                residency = self._adapters.observe(message.revision)
-                resident = self._adapters.make_resident(message.adapter, message.revision, timings)
+                registered = self._adapters.registered()
+                residency = self._adapters.observe(message.revision, registered)
+                resident = self._adapters.make_resident(
+                    message.adapter, message.revision, timings, registered
+                )
                 handed = self._adapters.handed_digest(resident.request)
                 if resident.loaded_digest != message.revision or handed != message.revision:
                     # Fail closed: the engine holds something other than the admitted revision.

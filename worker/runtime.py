@@ -118,7 +118,7 @@ class WorkerRuntime:
             try:
                 with self.cache.hold(record.digest):
                     resident = self.adapters.make_resident(
-                        record.alias, record.digest, LoadTimings()
+                        record.alias, record.digest, LoadTimings(), self.adapters.registered()
                     )
             except JobFailure as failure:
                 log.error("warm adapter %s not preloaded: %s", record.alias, failure.message)

@@ -6,8 +6,9 @@ import contextlib
 import time
 import uuid
 from datetime import UTC, datetime
+from typing import Annotated
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Query, Response
 from fastapi.concurrency import run_in_threadpool
 from redis.exceptions import RedisError
 
@@ -15,7 +16,7 @@ from contracts.errors import ErrorCode
 from contracts.jobs import JobAccepted, JobCreate, JobMessage, JobPublic, JobStatus
 from contracts.queues import queue_for
 from gateway import job_store
-from gateway.deps import ProducerDep, RedisDep, SettingsDep
+from gateway.deps import ProducerDep, RedisDep, SettingsDep, WaiterDep
 from gateway.errors import ApiError
 from gateway.queue import enqueue
 from gateway.registry import resolve
@@ -102,13 +103,33 @@ async def create_job(
     return JobAccepted.model_validate(job.model_dump(include=set(JobAccepted.model_fields)))
 
 
+MAX_WAIT_S = 60.0
+
+
 @router.get("/{job_id}", response_model=JobPublic, response_model_exclude_none=False)
-async def get_job(job_id: str, redis: RedisDep) -> JobPublic:
-    """The job's status and, once finished, its result or error and the run metadata."""
-    try:
-        job = await job_store.get_job(redis, job_id)
-    except (RedisError, OSError) as exc:
-        raise _unavailable("the job store is unreachable", exc) from exc
-    if job is None:
-        raise ApiError(404, ErrorCode.JOB_NOT_FOUND, f"No job with id {job_id!r} exists.")
-    return job
+async def get_job(
+    job_id: str,
+    redis: RedisDep,
+    waiter: WaiterDep,
+    wait_s: Annotated[
+        float,
+        Query(ge=0, le=MAX_WAIT_S, description="Long-poll: wait up to this long for a result."),
+    ] = 0.0,
+) -> JobPublic:
+    """The job's status and, once finished, its result or error and the run metadata.
+
+    With ``wait_s``, answers as soon as the job finishes or when ``wait_s`` has passed.
+    """
+    deadline = time.monotonic() + wait_s
+    async with waiter.watching(job_id) as finished:
+        while True:
+            try:
+                job = await job_store.get_job(redis, job_id)
+            except (RedisError, OSError) as exc:
+                raise _unavailable("the job store is unreachable", exc) from exc
+            if job is None:
+                raise ApiError(404, ErrorCode.JOB_NOT_FOUND, f"No job with id {job_id!r} exists.")
+            remaining = deadline - time.monotonic()
+            if job.status.terminal or remaining <= 0:
+                return job
+            await waiter.sleep(finished, remaining)

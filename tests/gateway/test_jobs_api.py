@@ -116,3 +116,25 @@ def test_redis_down_is_503_quickly_with_retry_after() -> None:
         assert response.json()["error"]["code"] == "service_unavailable"
         assert "Retry-After" in response.headers
         assert client.get("/readyz").status_code == 503
+
+
+def test_long_poll_answers_when_the_job_finishes(
+    gateway_url: str, published: dict[str, AdapterRecord]
+) -> None:
+    accepted = httpx.post(
+        f"{gateway_url}/v1/jobs",
+        json={"adapter": "lora-00-r8-qv", "prompt": "hello", "sampling": {"max_tokens": 4}},
+    ).json()
+    response = httpx.get(
+        f"{gateway_url}/v1/jobs/{accepted['id']}", params={"wait_s": 60}, timeout=90
+    )
+    assert response.status_code == 200
+    assert response.json()["status"] == "succeeded"
+
+
+def test_long_poll_bounds_and_unknown_jobs(gateway_url: str) -> None:
+    too_long = httpx.get(f"{gateway_url}/v1/jobs/abc", params={"wait_s": 61})
+    assert too_long.status_code == 422
+    assert too_long.json()["error"]["code"] == "validation_error"
+    unknown = httpx.get(f"{gateway_url}/v1/jobs/abc", params={"wait_s": 30}, timeout=5)
+    assert unknown.status_code == 404
