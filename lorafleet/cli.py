@@ -228,6 +228,9 @@ def demo(
     ),
 ) -> None:
     """Fixtures, local stack, 12 adapters (2 hot, 4 warm, 6 cold), skewed jobs, a report."""
+    import httpx
+
+    from lorafleet.client import GatewayError
     from lorafleet.demo import run_demo
 
     try:
@@ -239,8 +242,8 @@ def demo(
         console.print(f"[red]demo failed[/]: {exc.code}: {exc.message}")
         console.print("every process the demo started was stopped")
         code = 1
-    except (RuntimeError, TimeoutError) as exc:
-        console.print(f"[red]demo failed[/]: {exc}")
+    except (RuntimeError, TimeoutError, httpx.HTTPError, GatewayError) as exc:
+        console.print(f"[red]demo failed[/]: {type(exc).__name__}: {exc}")
         console.print("every process the demo started was stopped")
         code = 1
     raise typer.Exit(code)

@@ -37,8 +37,16 @@ class JobsClient:
         return JobAccepted.model_validate(response.json())
 
     async def get(self, job_id: str, wait_s: float = 0.0) -> JobPublic:
-        """The job now, or once finished if that happens within ``wait_s`` (long-poll)."""
-        response = await self._http.get(f"/v1/jobs/{job_id}", params={"wait_s": wait_s})
+        """The job now, or once finished if that happens within ``wait_s`` (long-poll).
+
+        A GET is safe to repeat: one retry covers a pooled connection the server closed
+        just as it was reused.
+        """
+        params = {"wait_s": wait_s}
+        try:
+            response = await self._http.get(f"/v1/jobs/{job_id}", params=params)
+        except httpx.TransportError:
+            response = await self._http.get(f"/v1/jobs/{job_id}", params=params)
         if response.status_code != 200:
             raise GatewayError(response.status_code, response.json())
         return JobPublic.model_validate(response.json())
