@@ -92,10 +92,6 @@ class EngineHost:
             raise RuntimeError("the engine has not been started")
         return self._engine
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
-
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Schedule ``coro`` on the engine loop from any thread."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)

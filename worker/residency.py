@@ -101,9 +101,6 @@ class EngineAdapters:
         """Adapter ids the engine holds right now (its own answer, not our bookkeeping)."""
         return set(self._host.run(self._host.engine.list_loras()))
 
-    def is_pinned(self, digest: str) -> bool:
-        return self._id_for(digest) in self._pinned
-
     def observe(self, digest: str, registered: set[int]) -> Residency:
         """Residency of ``digest`` given the engine's ``registered`` ids (just asked)."""
         lora_id = self._id_for(digest)

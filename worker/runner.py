@@ -69,10 +69,6 @@ class JobRunner:
         self._base_model = base_model
         self._hostname = hostname
 
-    @property
-    def base_model(self) -> BaseModelRef:
-        return self._base_model
-
     def run(self, message: JobMessage) -> tuple[JobResult, ResultMetadata]:
         started = time.time()
         timings = LoadTimings()

@@ -44,17 +44,22 @@ def _isolated_env(state: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def test_publish_is_idempotent_and_refuses_new_bytes_under_an_old_alias(
-    infra: LocalStack, redis: Redis, s3: Any, tmp_path: Path, fixtures_dir: Path
-) -> None:
-    env = _isolated_env(
-        tmp_path / "state",
+def _infra_env(infra: LocalStack, state: Path, fixtures_dir: Path) -> dict[str, str]:
+    """The CLI pointed at the session's Redis and S3, serving the fixture base model."""
+    return _isolated_env(
+        state,
         LORAFLEET_REDIS_URL=infra.redis_url,
         LORAFLEET_S3_ENDPOINT_URL=infra.s3_endpoint_url,
         LORAFLEET_S3_BUCKET=infra.settings.s3_bucket,
         LORAFLEET_MODEL=str(fixtures_dir / "base"),
         **LOCAL_AWS,
     )
+
+
+def test_publish_is_idempotent_and_refuses_new_bytes_under_an_old_alias(
+    infra: LocalStack, redis: Redis, s3: Any, tmp_path: Path, fixtures_dir: Path
+) -> None:
+    env = _infra_env(infra, tmp_path / "state", fixtures_dir)
     source = fixtures_dir / "adapters" / "lora-01-r4-qkvo"
     args = ["adapters", "publish", str(source), "--alias", "cli-probe", "--tier", "warm"]
     first = _cli(args, env)
@@ -177,14 +182,7 @@ def test_demo_that_cannot_start_its_worker_fails_cleanly(tmp_path: Path) -> None
 def test_registry_commands_show_retire_and_move_channels(
     infra: LocalStack, fixtures_dir: Path, tmp_path: Path, published: dict[str, AdapterRecord]
 ) -> None:
-    env = _isolated_env(
-        tmp_path / "state",
-        LORAFLEET_REDIS_URL=infra.redis_url,
-        LORAFLEET_S3_ENDPOINT_URL=infra.s3_endpoint_url,
-        LORAFLEET_S3_BUCKET=infra.settings.s3_bucket,
-        LORAFLEET_MODEL=str(fixtures_dir / "base"),
-        **LOCAL_AWS,
-    )
+    env = _infra_env(infra, tmp_path / "state", fixtures_dir)
     source = fixtures_dir / "adapters" / "lora-08-r8-qv"
     assert _cli(["adapters", "publish", str(source), "--alias", "cli-a"], env).returncode == 0
     shown = _cli(["adapters", "show", "cli-a"], env)
