@@ -23,11 +23,12 @@ app = Celery("lorafleet", broker=settings.effective_broker_url, include=["worker
 app.conf.update(
     # Acknowledge only after the task returned (result stored): a crash mid-job redelivers it.
     task_acks_late=True,
-    # A task whose worker process died is rejected back to the queue, not acknowledged.
+    # Prefork pools: a task whose child process died goes back to the queue. (With the
+    # threads pool a dead worker never acknowledged, so Redis redelivers after the timeout.)
     task_reject_on_worker_lost=True,
     # Unacked jobs return to the queue after this long; must exceed the longest job.
     broker_transport_options={"visibility_timeout": settings.visibility_timeout_s},
-    # Each pool thread reserves at most one extra job, so a busy worker cannot hoard a queue.
+    # Reserve one job per pool thread, no more: a busy worker cannot hoard a queue.
     worker_prefetch_multiplier=1,
     # Results live in our own job records (contracts.keys.job_key), not Celery's backend.
     task_ignore_result=True,

@@ -19,12 +19,22 @@ log = logging.getLogger(__name__)
 @app.task(name=RUN_JOB_TASK)
 def run_job(payload: dict[str, Any]) -> None:
     """Run one job; its outcome is written to the job record, never returned to Celery."""
+    rt = runtime()
     try:
         message = JobMessage.model_validate(payload)
-    except ValidationError:
-        log.exception("dropping a malformed job message")
+    except ValidationError as exc:
+        # A producer of another version: fail the job visibly rather than leave it queued.
+        log.exception("malformed job message")
+        job_id = payload.get("job_id") if isinstance(payload, dict) else None
+        job = rt.jobs.get(job_id) if isinstance(job_id, str) else None
+        if job is not None:
+            body = ErrorBody(
+                code=ErrorCode.INTERNAL_ERROR,
+                message=f"The job message could not be read by this worker: {exc.error_count()} "
+                "problem(s).",
+            )
+            rt.jobs.fail(job, body, None)
         return
-    rt = runtime()
     job = rt.jobs.get(message.job_id)
     if job is None:
         log.warning("job %s has no record (expired or withdrawn); skipping", message.job_id)
