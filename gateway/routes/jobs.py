@@ -26,13 +26,14 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 _RETRY_AFTER = {"Retry-After": "2"}
 
 
-def _unavailable(what: str, exc: Exception) -> ApiError:
-    return ApiError(
-        503,
-        ErrorCode.SERVICE_UNAVAILABLE,
-        f"The job was not accepted: {what} ({type(exc).__name__}). Nothing was enqueued; retry.",
-        headers=_RETRY_AFTER,
-    )
+def _unavailable(what: str, exc: Exception, *, admitting: bool = True) -> ApiError:
+    if admitting:
+        message = (
+            f"The job was not accepted: {what} ({type(exc).__name__}). Nothing was enqueued; retry."
+        )
+    else:
+        message = f"The job could not be read: {what} ({type(exc).__name__}); retry."
+    return ApiError(503, ErrorCode.SERVICE_UNAVAILABLE, message, headers=_RETRY_AFTER)
 
 
 @router.post("", status_code=202, response_model=JobAccepted)
@@ -126,7 +127,7 @@ async def get_job(
             try:
                 job = await job_store.get_job(redis, job_id)
             except (RedisError, OSError) as exc:
-                raise _unavailable("the job store is unreachable", exc) from exc
+                raise _unavailable("the job store is unreachable", exc, admitting=False) from exc
             if job is None:
                 raise ApiError(404, ErrorCode.JOB_NOT_FOUND, f"No job with id {job_id!r} exists.")
             remaining = deadline - time.monotonic()

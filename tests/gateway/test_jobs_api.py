@@ -116,6 +116,10 @@ def test_redis_down_is_503_quickly_with_retry_after() -> None:
         assert response.json()["error"]["code"] == "service_unavailable"
         assert "Retry-After" in response.headers
         assert client.get("/readyz").status_code == 503
+        status = client.get("/v1/jobs/0123456789abcdef")
+        assert status.status_code == 503
+        assert status.json()["error"]["code"] == "service_unavailable"
+        assert "could not be read" in status.json()["error"]["message"]
 
 
 def test_long_poll_answers_when_the_job_finishes(
