@@ -32,7 +32,7 @@ def _wait_gone(pgid: int, timeout_s: float) -> bool:
 def test_stack_down_stops_exactly_the_recorded_processes(
     tmp_path: Path, fixtures_dir: Path
 ) -> None:
-    settings = LocalSettings(state_dir=tmp_path / "state")
+    settings = LocalSettings(state_dir=tmp_path / "state", redis_url=None, s3_endpoint_url=None)
     stack = LocalStack(settings, fixtures_dir / "base")
     stack.start_infra()
     recorded = json.loads(settings.stack_file.read_text())
