@@ -21,6 +21,7 @@ class ErrorCode(StrEnum):
     ADAPTER_UNAVAILABLE = "adapter_unavailable"
     BASE_MODEL_MISMATCH = "base_model_mismatch"
     ENGINE_ERROR = "engine_error"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
     INTERNAL_ERROR = "internal_error"
     # Publishing and registry management (CLI): nothing is uploaded or registered
     NAME_INVALID = "name_invalid"

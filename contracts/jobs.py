@@ -47,6 +47,12 @@ class JobCreate(BaseModel):
     )
     prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     sampling: Sampling = Field(default_factory=Sampling)
+    deadline_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="seconds from admission until the job fails with deadline_exceeded; "
+        "at most the fleet's limit, which is also the default",
+    )
 
 
 class JobMessage(BaseModel):
@@ -62,6 +68,7 @@ class JobMessage(BaseModel):
     prompt: str
     sampling: Sampling
     accepted_at: float = Field(description="gateway clock, unix seconds")
+    deadline_at: float = Field(description="gateway clock, unix seconds")
 
 
 class JobStatus(StrEnum):
@@ -142,6 +149,7 @@ class JobPublic(BaseModel):
     revision: str
     queue: str
     created_at: datetime
+    deadline_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
     result: JobResult | None = None

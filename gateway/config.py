@@ -26,6 +26,9 @@ class GatewaySettings(BaseSettings):
     job_ttl_s: int = Field(
         default=7 * 24 * 3600, gt=0, description="How long job records and results are kept."
     )
+    job_deadline_s: float = Field(
+        default=600.0, gt=0, description="Default and largest per-job deadline, from admission."
+    )
     sentry_dsn: str | None = Field(
         default=None,
         validation_alias="SENTRY_DSN",

@@ -30,6 +30,8 @@ STACK_ENV = {
     "LORAFLEET_MAX_CPU_LORAS": "4",
     "LORAFLEET_DISK_CACHE_BYTES": "400000",
     "LORAFLEET_WORKER_CONCURRENCY": "32",
+    # Frequent heartbeats: tests read the engine's unfinished-request count from them.
+    "LORAFLEET_HEARTBEAT_S": "0.25",
 }
 
 

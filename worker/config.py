@@ -76,6 +76,11 @@ class WorkerSettings(BaseSettings):
         gt=0,
         description="Seconds before Redis redelivers an unacknowledged job; longer than any job.",
     )
+    job_deadline_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Largest per-job deadline (as the gateway's); below the visibility timeout.",
+    )
     heartbeat_s: float = Field(default=10.0, gt=0, description="Worker heartbeat period.")
     sentry_dsn: str | None = Field(
         default=None,
@@ -95,9 +100,12 @@ class WorkerSettings(BaseSettings):
         return cast(LoraRank, self.max_lora_rank)
 
     @model_validator(mode="after")
-    def _cpu_cache_holds_gpu_slots(self) -> WorkerSettings:
+    def _consistent(self) -> WorkerSettings:
         if self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be at least max_loras")
+        # Redis would hand a still-running job to a second worker.
+        if self.visibility_timeout_s <= self.job_deadline_s:
+            raise ValueError("visibility_timeout_s must exceed job_deadline_s")
         return self
 
     @property

@@ -5,6 +5,7 @@ A plain class that knows nothing of Celery; the task module is a thin shell arou
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,13 +29,21 @@ from contracts.registry import BaseModelRef
 from worker.adapter_cache import AdapterCache
 from worker.engine import ENGINE_NAME, ENGINE_VERSION, EngineHost
 from worker.errors import AdapterIntegrityError, JobFailure
-from worker.residency import EngineAdapters
+from worker.residency import EngineAdapters, Resident
 
 
 @dataclass(frozen=True)
 class Generation:
     result: JobResult
     ttft_ms: float | None
+
+
+def _check_deadline(message: JobMessage, doing: str) -> None:
+    if time.time() >= message.deadline_at:
+        raise JobFailure(
+            ErrorCode.DEADLINE_EXCEEDED,
+            f"The job {doing} past its deadline and was not run.",
+        )
 
 
 def _sampling_params(sampling: Sampling) -> SamplingParams:
@@ -75,6 +84,7 @@ class JobRunner:
         timings = LoadTimings()
         residency: Residency = "unknown"
         try:
+            _check_deadline(message, "waited in the queue")
             if message.base_model.digest != self._base_model.digest:
                 raise JobFailure(
                     ErrorCode.BASE_MODEL_MISMATCH,
@@ -94,11 +104,8 @@ class JobRunner:
                         f"Revision {message.revision} was admitted but the engine holds {handed}."
                     )
                 with self._adapters.in_flight(resident.request):
-                    generation = self._host.run(
-                        self._generate(
-                            message.job_id, message.prompt, message.sampling, resident.request
-                        )
-                    )
+                    _check_deadline(message, "waited for its adapter")
+                    generation = self._host.run(self._generate_by_deadline(message, resident))
         except JobFailure as failure:
             failure.metadata = self._metadata(message, started, residency, timings, None, None)
             raise
@@ -130,6 +137,21 @@ class JobRunner:
             worker=self._hostname,
             engine=EngineInfo(name=ENGINE_NAME, version=ENGINE_VERSION),
         )
+
+    async def _generate_by_deadline(self, message: JobMessage, resident: Resident) -> Generation:
+        """Generate, but no later than the job's deadline: past it the engine request is
+        aborted (cancelling ``generate`` aborts it in vLLM) and its batch slot freed."""
+        remaining_s = message.deadline_at - time.time()
+        try:
+            return await asyncio.wait_for(
+                self._generate(message.job_id, message.prompt, message.sampling, resident.request),
+                timeout=remaining_s,
+            )
+        except TimeoutError:
+            raise JobFailure(
+                ErrorCode.DEADLINE_EXCEEDED,
+                "The job reached its deadline while generating; the generation was aborted.",
+            ) from None
 
     async def _generate(
         self, job_id: str, prompt: str, sampling: Sampling, lora: LoRARequest

@@ -137,6 +137,7 @@ class WorkerRuntime:
             "pinned": self.pinned,
             "warm_preloaded": self.warm_preloaded,
             "disk_cache_bytes": self.cache.used_bytes(),
+            "engine_unfinished_requests": self.host.unfinished_requests(),
             "disk_cache_max_bytes": self.cache.max_bytes,
             "seen_at": time.time(),
         }

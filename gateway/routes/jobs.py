@@ -64,7 +64,14 @@ async def create_job(
         )
     record = resolved.record
 
+    if body.deadline_s is not None and body.deadline_s > settings.job_deadline_s:
+        raise ApiError(
+            422,
+            ErrorCode.VALIDATION_ERROR,
+            f"Invalid request: deadline_s: at most {settings.job_deadline_s:g} seconds.",
+        )
     accepted_at = time.time()
+    deadline_at = accepted_at + (body.deadline_s or settings.job_deadline_s)
     job_id = uuid.uuid4().hex
     queue = queue_for(record.tier)
     job = JobPublic(
@@ -75,6 +82,7 @@ async def create_job(
         revision=record.digest,
         queue=queue,
         created_at=datetime.fromtimestamp(accepted_at, tz=UTC),
+        deadline_at=datetime.fromtimestamp(deadline_at, tz=UTC),
     )
     message = JobMessage(
         job_id=job_id,
@@ -85,6 +93,7 @@ async def create_job(
         prompt=body.prompt,
         sampling=body.sampling,
         accepted_at=accepted_at,
+        deadline_at=deadline_at,
     )
     # The record exists before the message, so a fast worker always finds it; if the
     # publish fails the record is removed and the caller never sees a 202.
