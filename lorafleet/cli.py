@@ -44,16 +44,19 @@ def _model(settings: LocalSettings) -> Path:
     return (settings.fixtures_dir / "base").resolve()
 
 
-def _connections(settings: LocalSettings) -> tuple[str, str | None]:
-    """Redis URL and S3 endpoint: the environment's, else the running local stack's."""
-    redis_url, endpoint = settings.redis_url, settings.s3_endpoint_url
+def _connections(settings: LocalSettings) -> tuple[str, str | None, bool]:
+    """Redis URL, S3 endpoint and whether that endpoint is the local stack's own moto
+    (with its fixed credentials): the environment's, else the running local stack's."""
+    redis_url, endpoint, local = settings.redis_url, settings.s3_endpoint_url, False
     if settings.stack_file.exists():
         state = json.loads(settings.stack_file.read_text())
         redis_url = redis_url or state["redis_url"]
-        endpoint = endpoint or state["s3_endpoint_url"]
+        if not endpoint:
+            endpoint = state["s3_endpoint_url"]
+            local = bool(state.get("s3_local_credentials"))
     if not redis_url:
         raise typer.BadParameter("set LORAFLEET_REDIS_URL or start `lorafleet stack up` first")
-    return redis_url, endpoint
+    return redis_url, endpoint, local
 
 
 @app.command()
@@ -72,7 +75,7 @@ def fixtures(
 def _registry(settings: LocalSettings) -> Registry:
     from redis import Redis
 
-    redis_url, _ = _connections(settings)
+    redis_url, _, _ = _connections(settings)
     return Registry(Redis.from_url(redis_url, decode_responses=True))
 
 
@@ -93,14 +96,14 @@ def adapters_publish(
     from lorafleet.stack import s3_client
 
     settings = _settings()
-    _, endpoint = _connections(settings)
+    _, endpoint, local = _connections(settings)
     model = _model(settings)
     publisher = Publisher(
         base_dir=model,
         base_model_id=str(model),
         limits=settings.limits,
         registry=_registry(settings),
-        s3=s3_client(endpoint, settings.s3_region),
+        s3=s3_client(endpoint, settings.s3_region, local=local),
         bucket=settings.s3_bucket,
     )
     try:

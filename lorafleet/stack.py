@@ -52,7 +52,17 @@ def procfile_commands(path: Path = PROCFILE) -> dict[str, str]:
     return commands
 
 
-def s3_client(endpoint_url: str | None, region: str) -> Any:
+def s3_client(endpoint_url: str | None, region: str, local: bool = False) -> Any:
+    """An S3 client; ``local`` uses the private moto server's fixed credentials, otherwise
+    boto3's standard credential chain applies."""
+    if local:
+        return boto3.client(
+            "s3",
+            endpoint_url=endpoint_url,
+            region_name=region,
+            aws_access_key_id=LOCAL_AWS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=LOCAL_AWS["AWS_SECRET_ACCESS_KEY"],
+        )
     return boto3.client("s3", endpoint_url=endpoint_url, region_name=region)
 
 
@@ -137,11 +147,13 @@ class LocalStack:
             bucket=self.settings.s3_bucket,
         )
 
+    @property
+    def s3_is_local(self) -> bool:
+        """This stack runs its own moto server (with the local credentials)."""
+        return not self.settings.s3_endpoint_url
+
     def s3(self) -> Any:
-        if not self.settings.s3_endpoint_url:
-            for key, value in LOCAL_AWS.items():
-                os.environ.setdefault(key, value)
-        return s3_client(self.s3_endpoint_url, self.settings.s3_region)
+        return s3_client(self.s3_endpoint_url, self.settings.s3_region, local=self.s3_is_local)
 
     # -- services -------------------------------------------------------------------------
 
@@ -150,7 +162,7 @@ class LocalStack:
         env = dict(os.environ)
         for key, value in CPU_ENGINE_DEFAULTS.items():
             env.setdefault(key, value)
-        if not self.settings.s3_endpoint_url:
+        if self.s3_is_local:
             env.update(LOCAL_AWS)
         bin_dir = str(Path(sys.executable).parent)
         env.update(
@@ -206,6 +218,7 @@ class LocalStack:
             "gateway_url": self.gateway_url,
             "redis_url": self.redis_url,
             "s3_endpoint_url": self.s3_endpoint_url,
+            "s3_local_credentials": self.s3_is_local,
             "bucket": self.settings.s3_bucket,
             "model": str(self.model),
             "logs": str(self.log_dir),

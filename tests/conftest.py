@@ -31,17 +31,26 @@ STACK_ENV = {
     "LORAFLEET_DISK_CACHE_BYTES": "400000",
     "LORAFLEET_WORKER_CONCURRENCY": "32",
     # Frequent heartbeats: tests read the engine's unfinished-request count from them.
-    "LORAFLEET_HEARTBEAT_S": "0.25",
+    "LORAFLEET_HEARTBEAT_S": "1",
 }
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that end the shared worker run last."""
-    items.sort(key=lambda item: item.get_closest_marker("ends_worker") is not None)
+    """Tests that pause the worker's consumption run late, those that end it last."""
+
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("ends_worker"):
+            return 2
+        return 1 if item.get_closest_marker("pauses_consumer") else 0
+
+    items.sort(key=rank)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "ends_worker: stops the session's worker; runs last")
+    # Seen once: after cancel_consumer/add_consumer the worker took one message at a time.
+    # Tests that need jobs to run side by side therefore run before any pause.
+    config.addinivalue_line("markers", "pauses_consumer: pauses a queue; runs late")
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,8 +13,12 @@ from typing import Any
 
 import httpx
 from celery import Celery
+from redis import Redis
 
 from contracts.jobs import JobPublic
+from contracts.keys import WORKERS_INDEX, worker_key
+from contracts.queues import Tier
+from contracts.registry import AdapterRecord
 from lorafleet.client import JobsClient
 from lorafleet.stack import LocalStack
 
@@ -55,3 +61,48 @@ def paused(stack: LocalStack, queue: str) -> Iterator[None]:
         yield
     finally:
         assert control.add_consumer(queue, reply=True, timeout=10)
+
+
+# 240 new tokens: long enough that a job is still generating while a test acts on it.
+LONG_SAMPLING = {"max_tokens": 240, "temperature": 0.0, "ignore_eos": True}
+
+
+def hot_alias(published: dict[str, AdapterRecord]) -> str:
+    """A pinned hot adapter: jobs on it start generating without any load."""
+    return next(r.alias for r in published.values() if r.tier == Tier.HOT)
+
+
+def submit_job(gateway_url: str, adapter: str, **extra: Any) -> dict[str, Any]:
+    """POST a long job (``extra`` overrides body fields); asserts the 202."""
+    body = {"adapter": adapter, "prompt": "Summarise the conversation", "sampling": LONG_SAMPLING}
+    response = httpx.post(f"{gateway_url}/v1/jobs", json={**body, **extra})
+    assert response.status_code == 202, response.text
+    accepted: dict[str, Any] = response.json()
+    return accepted
+
+
+def wait_job(gateway_url: str, job_id: str) -> dict[str, Any]:
+    """The job once terminal (long-poll)."""
+    job: dict[str, Any] = httpx.get(
+        f"{gateway_url}/v1/jobs/{job_id}", params={"wait_s": 60}, timeout=90
+    ).json()
+    return job
+
+
+def worker_heartbeat(redis: Redis) -> dict[str, Any]:
+    """The (single) worker's latest announcement."""
+    worker_id = next(iter(redis.smembers(WORKERS_INDEX)))  # type: ignore[arg-type]
+    record: dict[str, Any] = json.loads(redis.get(worker_key(str(worker_id))))  # type: ignore[arg-type]
+    return record
+
+
+def assert_engine_drains(redis: Redis, timeout_s: float = 30.0) -> None:
+    """A heartbeat written from now on reports an engine with no unfinished request."""
+    since = time.time()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        beat = worker_heartbeat(redis)
+        if beat["seen_at"] > since and beat["engine_unfinished_requests"] == 0:
+            return
+        assert time.monotonic() < deadline, f"the engine still holds requests: {beat}"
+        time.sleep(0.1)

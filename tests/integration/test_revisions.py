@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 from redis import Redis
 
 from contracts.jobs import JobStatus
@@ -41,6 +42,7 @@ def _finish(gateway_url: str, job_ids: list[str]) -> list[dict[str, object]]:
     return asyncio.run(go())
 
 
+@pytest.mark.pauses_consumer
 def test_jobs_queued_before_a_channel_moves_run_on_their_admitted_revision(
     stack: LocalStack, publisher: Publisher, fixtures_dir: Path, oracle: PeftOracle, redis: Redis
 ) -> None:
@@ -71,6 +73,7 @@ def test_jobs_queued_before_a_channel_moves_run_on_their_admitted_revision(
         assert job["metadata"]["loaded_digest"] == second.digest  # type: ignore[index]
 
 
+@pytest.mark.pauses_consumer
 def test_retired_alias_refuses_new_jobs_but_runs_queued_ones(
     stack: LocalStack, publisher: Publisher, fixtures_dir: Path, oracle: PeftOracle, redis: Redis
 ) -> None:
