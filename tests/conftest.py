@@ -48,8 +48,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "ends_worker: stops the session's worker; runs last")
-    # Seen once: after cancel_consumer/add_consumer the worker took one message at a time.
-    # Tests that need jobs to run side by side therefore run before any pause.
+    # A pause (cancel_consumer/add_consumer) is worker-wide state: run such tests after the
+    # others so it cannot change how their jobs are consumed.
     config.addinivalue_line("markers", "pauses_consumer: pauses a queue; runs late")
 
 
