@@ -192,7 +192,7 @@ def stack_up(
             "run `lorafleet stack down` first"
         )
         raise typer.Exit(1)
-    stack = LocalStack(settings, _model(settings))
+    stack = LocalStack(settings, _model(settings), detached=detach)
     try:
         stack.start_infra()
         stack.start_services()

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+
+PR_SET_PDEATHSIG = 1
+_LINUX = sys.platform.startswith("linux")
 
 
 def free_port() -> int:
@@ -43,8 +49,25 @@ class Child:
             return ""
 
 
-def spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path, cwd: Path) -> Child:
-    """Start ``argv`` in a new session (so the whole tree can be signalled at once)."""
+def _terminate_with_parent() -> None:
+    """In the child, before exec: the kernel sends SIGTERM when the parent dies (Linux)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn(
+    name: str,
+    argv: list[str],
+    env: dict[str, str],
+    log_dir: Path,
+    cwd: Path,
+    die_with_parent: bool = True,
+) -> Child:
+    """Start ``argv`` in a new session (so the whole tree can be signalled at once).
+
+    With ``die_with_parent`` (Linux) the child is sent SIGTERM if this process dies without
+    cleaning up, even by SIGKILL, so no server outlives the command that started it.
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     with log_path.open("ab") as log:
@@ -56,6 +79,7 @@ def spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path, cwd: P
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_terminate_with_parent if die_with_parent and _LINUX else None,
         )
     return Child(name=name, process=process, log_path=log_path)
 

@@ -69,12 +69,14 @@ def s3_client(endpoint_url: str | None, region: str, local: bool = False) -> Any
 class LocalStack:
     """Starts and stops the services; ``stop`` ends exactly the processes it started."""
 
-    def __init__(self, settings: LocalSettings, model: Path) -> None:
+    def __init__(self, settings: LocalSettings, model: Path, detached: bool = False) -> None:
         self.settings = settings
         self.model = model.resolve()
         self.state_dir = settings.state_dir.resolve()
         self.log_dir = self.state_dir / "logs"
         self.children: list[Child] = []
+        # Attached stacks die with the command that started them; detached ones outlive it.
+        self.detached = detached
         self.redis_url = settings.redis_url or ""
         self.s3_endpoint_url = settings.s3_endpoint_url or ""
         self.gateway_url = ""
@@ -209,7 +211,7 @@ class LocalStack:
     # -- lifecycle ------------------------------------------------------------------------
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
-        child = spawn(name, argv, env, self.log_dir, REPO_ROOT)
+        child = spawn(name, argv, env, self.log_dir, REPO_ROOT, die_with_parent=not self.detached)
         self.children.append(child)
         return child
 

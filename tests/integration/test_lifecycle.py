@@ -85,3 +85,29 @@ def test_worker_exits_zero_on_sigterm_and_takes_its_engine_down(stack: LocalStac
     returncode = worker.process.wait(timeout=120)
     assert returncode == 0, worker.log_tail()
     assert _wait_gone(worker.pid, 30), "the engine's child processes outlived the worker"
+
+
+def test_servers_die_with_a_stack_that_was_killed(tmp_path: Path, fixtures_dir: Path) -> None:
+    state = tmp_path / "state"
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from lorafleet.settings import LocalSettings\n"
+        "from lorafleet.stack import LocalStack\n"
+        "if __name__ == '__main__':\n"
+        f"    settings = LocalSettings(state_dir=Path({str(state)!r}), redis_url=None,"
+        " s3_endpoint_url=None)\n"
+        f"    LocalStack(settings, Path({str(fixtures_dir / 'base')!r})).start_infra()\n"
+        "    print('up', flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    assert owner.stdout is not None and owner.stdout.readline().strip() == "up"
+    pids = json.loads((state / "stack.json").read_text())["pids"]
+    assert all(group_alive(pid) for pid in pids.values())
+
+    owner.kill()  # SIGKILL: no handler, no cleanup in the owner
+    owner.wait(timeout=10)
+    assert all(_wait_gone(pid, 30) for pid in pids.values()), "a server outlived its stack"
