@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import signal
 import socket
@@ -17,6 +16,8 @@ from types import FrameType
 
 PR_SET_PDEATHSIG = 1
 _LINUX = sys.platform.startswith("linux")
+# Resolved here, in the parent: the child between fork and exec must not load libraries.
+_LIBC = ctypes.CDLL(None, use_errno=True) if _LINUX else None
 
 
 def free_port() -> int:
@@ -51,8 +52,8 @@ class Child:
 
 def _terminate_with_parent() -> None:
     """In the child, before exec: the kernel sends SIGTERM when the parent dies (Linux)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _LIBC is not None:
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def spawn(
