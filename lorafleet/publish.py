@@ -67,12 +67,13 @@ class Publisher:
         check_name(alias, "Alias")
         valid = validate_adapter(directory, self.base_dir, self.base_model.id, self.limits)
         manifest = manifest_of(directory, ADAPTER_FILES)
+        digest = manifest.digest()
         existing = self.registry.get(alias)
-        if existing is not None and existing.digest == manifest.digest():
+        if existing is not None and existing.digest == digest:
             return existing
         record = AdapterRecord(
             alias=alias,
-            digest=manifest.digest(),
+            digest=digest,
             base_model=self.base_model,
             rank=valid.rank,
             alpha=valid.alpha,

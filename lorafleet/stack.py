@@ -80,6 +80,7 @@ class LocalStack:
         self.redis_url = settings.redis_url or ""
         self.s3_endpoint_url = settings.s3_endpoint_url or ""
         self.gateway_url = ""
+        self._redis: Redis | None = None
         self._scratch = tempfile.TemporaryDirectory(prefix="lorafleet-stack-")
         self._started_at = time.time()
 
@@ -136,7 +137,10 @@ class LocalStack:
             s3.create_bucket(Bucket=self.settings.s3_bucket)
 
     def redis(self) -> Redis:
-        return Redis.from_url(self.redis_url, decode_responses=True, socket_timeout=5)
+        """One client (and connection pool) for this stack's Redis, made on first use."""
+        if self._redis is None:
+            self._redis = Redis.from_url(self.redis_url, decode_responses=True, socket_timeout=5)
+        return self._redis
 
     def publisher(self) -> Publisher:
         """Publishes to this stack's registry and bucket, for the model it serves."""
@@ -238,6 +242,9 @@ class LocalStack:
         for child in reversed(self.children):
             stop_group(child.pid, timeout_s=60, process=child.process)
         self.children.clear()
+        if self._redis is not None:
+            self._redis.close()
+            self._redis = None
         self.settings.stack_file.resolve().unlink(missing_ok=True)
         self._scratch.cleanup()
 

@@ -119,16 +119,13 @@ class EngineAdapters:
         """
         request = self.request_for(alias, digest)
         lora_id = request.lora_int_id
+        # On disk in every case, even when the engine has it: vLLM reloads from this path
+        # should it drop the adapter from its own cache (fetched again if evicted).
+        fetched = self._cache.ensure(digest)
+        timings.fetch, timings.verify = fetched.fetch_ms, fetched.verify_ms
         if lora_id in registered and lora_id in self._handed:
-            # In the engine already. Its files stay on disk (fetched again if evicted) so
-            # vLLM can reload them should it drop the adapter from its own cache.
-            fetched = self._cache.ensure(digest)
-            timings.fetch, timings.verify = fetched.fetch_ms, fetched.verify_ms
             return Resident(request, self._handed[lora_id])
         with self._lock_for(digest):
-            fetched = self._cache.ensure(digest)
-            timings.fetch = fetched.fetch_ms
-            timings.verify = fetched.verify_ms
             # Asked again: another job may have loaded it while this one waited for the lock.
             if lora_id in self.registered() and lora_id in self._handed:
                 return Resident(request, self._handed[lora_id])
@@ -156,10 +153,6 @@ class EngineAdapters:
         self._pinned.add(resident.request.lora_int_id)
         self._gate.set_capacity(self._max_loras - len(self._pinned))
         return resident
-
-    def handed_digest(self, request: LoRARequest) -> str | None:
-        """Digest of the files last handed to the engine under ``request``'s id."""
-        return self._handed.get(request.lora_int_id)
 
     @contextmanager
     def in_flight(self, request: LoRARequest) -> Iterator[None]:

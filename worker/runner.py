@@ -97,11 +97,11 @@ class JobRunner:
                 resident = self._adapters.make_resident(
                     message.adapter, message.revision, timings, registered
                 )
-                handed = self._adapters.handed_digest(resident.request)
-                if resident.loaded_digest != message.revision or handed != message.revision:
+                if resident.loaded_digest != message.revision:
                     # Fail closed: the engine holds something other than the admitted revision.
                     raise AdapterIntegrityError(
-                        f"Revision {message.revision} was admitted but the engine holds {handed}."
+                        f"Revision {message.revision} was admitted but the engine holds "
+                        f"{resident.loaded_digest}."
                     )
                 with self._adapters.in_flight(resident.request):
                     _check_deadline(message, "waited for its adapter")
