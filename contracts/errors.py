@@ -15,6 +15,7 @@ class ErrorCode(StrEnum):
     ADAPTER_RETIRED = "adapter_retired"
     VALIDATION_ERROR = "validation_error"
     JOB_NOT_FOUND = "job_not_found"
+    JOB_FINISHED = "job_finished"
     SERVICE_UNAVAILABLE = "service_unavailable"
     # Execution (worker): the job ends failed, generation never ran on other weights
     ADAPTER_INTEGRITY = "adapter_integrity"
@@ -22,6 +23,8 @@ class ErrorCode(StrEnum):
     BASE_MODEL_MISMATCH = "base_model_mismatch"
     ENGINE_ERROR = "engine_error"
     DEADLINE_EXCEEDED = "deadline_exceeded"
+    ATTEMPTS_EXHAUSTED = "attempts_exhausted"
+    CANCELLED = "cancelled"
     INTERNAL_ERROR = "internal_error"
     # Publishing and registry management (CLI): nothing is uploaded or registered
     NAME_INVALID = "name_invalid"

@@ -76,10 +76,14 @@ class JobStatus(StrEnum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    CANCELLED = "cancelled"
 
     @property
     def terminal(self) -> bool:
-        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED)
+        return self in TERMINAL_STATUSES
+
+
+TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED})
 
 
 Residency = Literal["gpu", "cpu", "disk", "remote", "unknown"]
@@ -152,6 +156,10 @@ class JobPublic(BaseModel):
     deadline_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    attempts: int = Field(
+        default=0, description="deliveries that started running it (more than one after a crash)"
+    )
+    worker: str | None = Field(default=None, description="worker running or last running it")
     result: JobResult | None = None
     error: ErrorBody | None = None
     metadata: ResultMetadata | None = None

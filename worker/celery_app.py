@@ -1,6 +1,18 @@
 """The Celery app of the worker (``celery -A worker.celery_app worker``). Kept tiny.
 
-All reliability settings live here, together, each with the reason it is set.
+All delivery settings live here, together, each with the reason it is set. The guarantees
+they add up to (README, "Delivery guarantees"):
+
+- at least once: a job is acknowledged only after its outcome is stored; a worker that dies
+  mid-job never acknowledges, and Redis hands the job to another worker once it has been
+  unacknowledged for ``visibility_timeout_s`` (checked every ``restore_interval_s``);
+- never twice at once: ``visibility_timeout_s > job_deadline_s`` and every job ends (or is
+  failed with ``deadline_exceeded``) by its deadline, so a live worker always acknowledges a
+  job before Redis would redeliver it;
+- effects once: every record change is a compare-and-set (``contracts.job_records``);
+- a job that kills its worker every time stops after ``max_attempts`` starts;
+- SIGTERM drains: no new jobs, running ones get ``drain_timeout_s`` to finish, then are aborted
+  and handed back to the queue; unstarted prefetched jobs go back to the queue at once.
 """
 
 from __future__ import annotations
@@ -9,7 +21,13 @@ import logging
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_init, worker_ready, worker_shutdown
+from celery.signals import (
+    task_received,
+    worker_init,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
 
 from contracts.queues import ALL_QUEUES
 from contracts.telemetry import SENTRY_OPTIONS
@@ -26,10 +44,17 @@ app.conf.update(
     # Prefork pools: a task whose child process died goes back to the queue. (With the
     # threads pool a dead worker never acknowledged, so Redis redelivers after the timeout.)
     task_reject_on_worker_lost=True,
-    # Unacked jobs return to the queue after this long; must exceed the longest job.
-    broker_transport_options={"visibility_timeout": settings.visibility_timeout_s},
-    # Reserve one job per pool thread, no more: a busy worker cannot hoard a queue.
-    worker_prefetch_multiplier=1,
+    broker_transport_options={
+        # Unacked jobs return to the queue this long after delivery: longer than any job
+        # can run (its deadline), so only a dead worker's jobs come back.
+        "visibility_timeout": settings.visibility_timeout_s,
+        # Every worker looks for such jobs this often (kombu's default is a scan every
+        # 10 x 10 s; a dead worker's jobs should not wait that long).
+        "unacked_restore_interval": settings.restore_interval_s,
+        "unacked_restore_throttle": 1,
+    },
+    # Jobs reserved per pool thread: with 1, a busy worker cannot hoard a queue.
+    worker_prefetch_multiplier=settings.prefetch_multiplier,
     # Results live in our own job records (contracts.keys.job_key), not Celery's backend.
     task_ignore_result=True,
     task_default_queue=ALL_QUEUES[0],
@@ -71,6 +96,22 @@ def _announce(**_: Any) -> None:
     # Only now does the consumer (and its remote-control mailbox) run: announce readiness here,
     # not when the engine is up, so "ready" means "taking jobs".
     runtime().announce()
+
+
+@task_received.connect
+def _hold(request: Any, **_: Any) -> None:
+    # In the consumer, as the message arrives (before a pool thread starts it): from now on,
+    # if this worker dies, the reaper of another worker puts the message back on its queue.
+    if _runtime is not None:
+        _runtime.hold(request.id, request.message.delivery_tag)
+
+
+@worker_shutting_down.connect
+def _drain(**_: Any) -> None:
+    # Sent from the signal handler (SIGTERM): Celery stops consuming and waits for running
+    # jobs; the runtime bounds that wait by the drain timeout.
+    if _runtime is not None:
+        _runtime.begin_drain()
 
 
 @worker_shutdown.connect

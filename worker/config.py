@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal, cast, get_args
@@ -71,17 +72,52 @@ class WorkerSettings(BaseSettings):
     job_ttl_s: int = Field(
         default=7 * 24 * 3600, gt=0, description="How long job records and results are kept."
     )
-    visibility_timeout_s: int = Field(
-        default=3600,
-        gt=0,
-        description="Seconds before Redis redelivers an unacknowledged job; longer than any job.",
-    )
     job_deadline_s: float = Field(
         default=600.0,
         gt=0,
         description="Largest per-job deadline (as the gateway's); below the visibility timeout.",
     )
-    heartbeat_s: float = Field(default=10.0, gt=0, description="Worker heartbeat period.")
+    visibility_timeout_s: int = Field(
+        default=900,
+        gt=0,
+        description="Seconds after delivery before Redis hands an unacknowledged job to another "
+        "worker; must exceed `job_deadline_s`, so only a dead worker's jobs are redelivered.",
+    )
+    restore_interval_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="How often each worker returns jobs past the visibility timeout to their "
+        "queue; a dead worker's job reruns within visibility timeout + this.",
+    )
+    max_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="Starts a job may have; one more delivery fails it with `attempts_exhausted` "
+        "(a job that kills its worker every time).",
+    )
+    prefetch_multiplier: int = Field(
+        default=1,
+        ge=1,
+        description="Jobs reserved per pool thread; 1 keeps a busy worker from hoarding a queue.",
+    )
+    drain_timeout_s: float = Field(
+        default=120.0,
+        ge=0,
+        description="On SIGTERM, how long running jobs may finish; past it they are aborted "
+        "and handed back to the queue. Keep below the orchestrator's grace period.",
+    )
+    cancel_poll_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Sweep of running jobs' statuses, catching cancellations the pub/sub "
+        "message missed.",
+    )
+    heartbeat_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Worker heartbeat period; a worker silent for 4 periods + 2 s is dead and "
+        "its jobs go back to their queues.",
+    )
     sentry_dsn: str | None = Field(
         default=None,
         validation_alias="SENTRY_DSN",
@@ -103,10 +139,20 @@ class WorkerSettings(BaseSettings):
     def _consistent(self) -> WorkerSettings:
         if self.max_cpu_loras < self.max_loras:
             raise ValueError("max_cpu_loras must be at least max_loras")
-        # Redis would hand a still-running job to a second worker.
-        if self.visibility_timeout_s <= self.job_deadline_s:
-            raise ValueError("visibility_timeout_s must exceed job_deadline_s")
+        # Otherwise Redis could hand a still-running job to a second worker, or restore a
+        # dead worker's job that the reaper already handed to another one.
+        floor = self.job_deadline_s + self.announcement_ttl_s + self.restore_interval_s
+        if self.visibility_timeout_s <= floor:
+            raise ValueError(
+                "visibility_timeout_s must exceed job_deadline_s + the worker announcement TTL "
+                f"(4 x heartbeat_s + 2) + restore_interval_s = {floor:g} s"
+            )
         return self
+
+    @property
+    def announcement_ttl_s(self) -> int:
+        """Seconds a worker's heartbeat key outlives its last beat."""
+        return math.ceil(self.heartbeat_s * 4) + 2
 
     @property
     def effective_broker_url(self) -> str:

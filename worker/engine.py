@@ -100,13 +100,18 @@ class EngineHost:
         """Run ``coro`` on the engine loop and wait for its result."""
         return self.submit(coro).result(timeout=timeout_s)
 
-    def unfinished_requests(self) -> int:
+    def unfinished_requests(self, timeout_s: float = 5.0) -> int:
         """Requests the engine still holds (running or waiting), asked on its own loop."""
 
         async def count() -> int:
             return self.engine.get_num_unfinished_requests()
 
-        return self.run(count(), timeout_s=5)
+        future = self.submit(count())
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
 
     def shutdown(self) -> None:
         """Stop the engine (and its child processes), then the loop thread."""

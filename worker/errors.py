@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from contracts.errors import ErrorCode
 from contracts.jobs import ResultMetadata
 
@@ -25,3 +27,18 @@ class AdapterIntegrityError(JobFailure):
 class AdapterUnavailableError(JobFailure):
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.ADAPTER_UNAVAILABLE, message)
+
+
+class StopReason(StrEnum):
+    """Why this process stopped a job it was running."""
+
+    CANCELLED = "cancelled"  # a caller cancelled it: the record already says so
+    DRAIN = "drain"  # the worker is shutting down and its drain timeout passed: give it back
+
+
+class JobStopped(Exception):
+    """The job was stopped before it finished; its engine request (if any) was aborted."""
+
+    def __init__(self, reason: StopReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason

@@ -6,6 +6,7 @@ A plain class that knows nothing of Celery; the task module is a thin shell arou
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 import uuid
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from contracts.registry import BaseModelRef
 from worker.adapter_cache import AdapterCache
 from worker.engine import ENGINE_NAME, ENGINE_VERSION, EngineHost
 from worker.errors import AdapterIntegrityError, JobFailure
+from worker.inflight import Running
 from worker.residency import EngineAdapters, Resident
 
 
@@ -62,7 +64,9 @@ def _sampling_params(sampling: Sampling) -> SamplingParams:
 class JobRunner:
     """Turns a ``JobMessage`` into a result plus observed metadata, or raises ``JobFailure``.
 
-    A failure carries the metadata observed up to the point of failure (``metadata``).
+    A failure carries the metadata observed up to the point of failure (``metadata``). A job
+    stopped through its ``Running`` handle (cancelled, or given back by a draining worker)
+    raises ``JobStopped`` at the next step, or at once if it is generating.
     """
 
     def __init__(
@@ -79,11 +83,12 @@ class JobRunner:
         self._base_model = base_model
         self._hostname = hostname
 
-    def run(self, message: JobMessage) -> tuple[JobResult, ResultMetadata]:
+    def run(self, message: JobMessage, running: Running) -> tuple[JobResult, ResultMetadata]:
         started = time.time()
         timings = LoadTimings()
         residency: Residency = "unknown"
         try:
+            running.check()
             _check_deadline(message, "waited in the queue")
             if message.base_model.digest != self._base_model.digest:
                 raise JobFailure(
@@ -104,8 +109,9 @@ class JobRunner:
                         f"{resident.loaded_digest}."
                     )
                 with self._adapters.in_flight(resident.request):
+                    running.check()
                     _check_deadline(message, "waited for its adapter")
-                    generation = self._host.run(self._generate_by_deadline(message, resident))
+                    generation = self._generate_unless_stopped(message, resident, running)
         except JobFailure as failure:
             failure.metadata = self._metadata(message, started, residency, timings, None, None)
             raise
@@ -137,6 +143,17 @@ class JobRunner:
             worker=self._hostname,
             engine=EngineInfo(name=ENGINE_NAME, version=ENGINE_VERSION),
         )
+
+    def _generate_unless_stopped(
+        self, message: JobMessage, resident: Resident, running: Running
+    ) -> Generation:
+        future = self._host.submit(self._generate_by_deadline(message, resident))
+        with running.generating(future):
+            try:
+                return future.result()
+            except (concurrent.futures.CancelledError, asyncio.CancelledError):
+                running.check()  # raises JobStopped: the only reason this future is cancelled
+                raise
 
     async def _generate_by_deadline(self, message: JobMessage, resident: Resident) -> Generation:
         """Generate, but no later than the job's deadline: past it the engine request is

@@ -17,13 +17,17 @@ from redis import Redis
 
 from contracts.digests import manifest_of
 from contracts.jobs import LoadTimings
-from contracts.keys import WORKERS_INDEX, worker_key
+from contracts.keys import WORKERS_INDEX, held_key, worker_key
+from contracts.redis_policy import sync_options
 from contracts.registry import AdapterRecord, BaseModelRef
 from worker.adapter_cache import AdapterCache
+from worker.cancels import CancelWatcher
 from worker.config import WorkerSettings
 from worker.engine import ENGINE_VERSION, EngineHost, EngineOptions
-from worker.errors import JobFailure
+from worker.errors import JobFailure, StopReason
+from worker.inflight import InFlight
 from worker.job_store import JobStore
+from worker.reaper import Reaper
 from worker.registry import preload_sets
 from worker.residency import EngineAdapters
 from worker.runner import JobRunner
@@ -62,7 +66,7 @@ class WorkerRuntime:
         self.hostname = socket.gethostname()
         # Several workers may share a host: the announcement key needs the pid too.
         self.worker_id = f"{self.hostname}:{os.getpid()}"
-        self.redis = Redis.from_url(settings.redis_url, decode_responses=True)
+        self.redis = Redis.from_url(settings.redis_url, decode_responses=True, **sync_options())
         self.jobs = JobStore(self.redis, settings.job_ttl_s)
         self.cache = AdapterCache(
             settings.cache_dir,
@@ -78,6 +82,12 @@ class WorkerRuntime:
         self.runner = JobRunner(
             self.host, self.cache, self.adapters, self.base_model, self.hostname
         )
+        self.inflight = InFlight()
+        self.cancels = CancelWatcher(self.redis, self.jobs, self.inflight, settings.cancel_poll_s)
+        self.reaper = Reaper(
+            self.redis, settings.effective_broker_url, self.worker_id, settings.restore_interval_s
+        )
+        self._drain_timer: threading.Timer | None = None
         self.pinned: list[str] = []
         self.warm_preloaded: list[str] = []
         self._pinned_holds = ExitStack()
@@ -102,6 +112,25 @@ class WorkerRuntime:
         """Tell the fleet this worker consumes jobs; refreshed until ``close``."""
         self._announce()
         self._heartbeat.start()
+        self.cancels.start()
+        self.reaper.start()
+
+    def begin_drain(self) -> None:
+        """Shutdown began: running jobs get ``drain_timeout_s``, then are handed back."""
+        if self._drain_timer is not None:
+            return
+        log.info(
+            "draining: %d job(s) running, %.0f s to finish",
+            len(self.inflight),
+            self.settings.drain_timeout_s,
+        )
+        self._drain_timer = threading.Timer(self.settings.drain_timeout_s, self._drain_expired)
+        self._drain_timer.daemon = True
+        self._drain_timer.start()
+
+    def _drain_expired(self) -> None:
+        stopped = self.inflight.stop_all(StopReason.DRAIN)
+        log.warning("drain timeout passed: handing %d running job(s) back to the queue", stopped)
 
     def _preload(self, hot: list[AdapterRecord], warm: list[AdapterRecord]) -> None:
         """Pin hot adapters in GPU slots; register warm ones in the engine's CPU cache."""
@@ -137,13 +166,30 @@ class WorkerRuntime:
             "pinned": self.pinned,
             "warm_preloaded": self.warm_preloaded,
             "disk_cache_bytes": self.cache.used_bytes(),
-            "engine_unfinished_requests": self.host.unfinished_requests(),
+            "engine_unfinished_requests": self._unfinished_requests(),
+            "jobs_running": len(self.inflight),
             "disk_cache_max_bytes": self.cache.max_bytes,
             "seen_at": time.time(),
         }
-        ttl_s = int(self.settings.heartbeat_s * 3) + 1
-        self.redis.set(worker_key(self.worker_id), json.dumps(record), ex=ttl_s)
+        self.redis.set(
+            worker_key(self.worker_id), json.dumps(record), ex=self.settings.announcement_ttl_s
+        )
         self.redis.sadd(WORKERS_INDEX, self.worker_id)
+
+    def _unfinished_requests(self) -> int | None:
+        # Asked on the engine loop; a loop too busy to answer must not delay the heartbeat
+        # (a late heartbeat makes the fleet think this worker died).
+        try:
+            return self.host.unfinished_requests(timeout_s=min(1.0, self.settings.heartbeat_s))
+        except TimeoutError:
+            return None
+
+    def hold(self, task_id: str, delivery_tag: str) -> None:
+        """A delivery was received: if this worker dies, the reaper hands it back."""
+        self.redis.hset(held_key(self.worker_id), task_id, delivery_tag)
+
+    def unhold(self, task_id: str) -> None:
+        self.redis.hdel(held_key(self.worker_id), task_id)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_s):
@@ -157,8 +203,13 @@ class WorkerRuntime:
     def close(self) -> None:
         """Stop the heartbeat, withdraw the announcement, shut the engine down."""
         self._stop.set()
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+        self.cancels.close()
+        self.reaper.close()
         try:
-            self.redis.delete(worker_key(self.worker_id))
+            # Anything still held was handed back by the drain or by kombu at shutdown.
+            self.redis.delete(worker_key(self.worker_id), held_key(self.worker_id))
             self.redis.srem(WORKERS_INDEX, self.worker_id)
         except Exception as exc:
             log.warning("could not withdraw worker record: %s", exc)

@@ -1,17 +1,25 @@
-"""The job task: validate the payload, advance the record, hand off to ``JobRunner``."""
+"""The job task: read the message, claim the job, run it, store the outcome exactly once.
+
+Delivery is at least once (the message is acknowledged only after this function returns, so a
+worker that dies mid-job leaves it to be redelivered); effects are exactly once because every
+record change is a compare-and-set (``contracts.job_records``): the first terminal write wins and
+a later delivery of a finished job does nothing.
+"""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from celery.exceptions import Reject
 from pydantic import ValidationError
 
 from contracts.errors import ErrorBody, ErrorCode
 from contracts.jobs import JobMessage
 from contracts.queues import RUN_JOB_TASK
 from worker.celery_app import app, runtime
-from worker.errors import JobFailure
+from worker.errors import JobFailure, JobStopped, StopReason
+from worker.job_store import ClaimOutcome
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +27,14 @@ log = logging.getLogger(__name__)
 @app.task(name=RUN_JOB_TASK)
 def run_job(payload: dict[str, Any]) -> None:
     """Run one job; its outcome is written to the job record, never returned to Celery."""
+    try:
+        _run(payload)
+    finally:
+        # The outcome is stored (or the job handed back): nothing for a reaper to restore.
+        runtime().unhold(run_job.request.id)
+
+
+def _run(payload: dict[str, Any]) -> None:
     rt = runtime()
     try:
         message = JobMessage.model_validate(payload)
@@ -35,28 +51,34 @@ def run_job(payload: dict[str, Any]) -> None:
             )
             rt.jobs.fail(job, body, None)
         return
-    job = rt.jobs.get(message.job_id)
-    if job is None:
-        log.warning("job %s has no record (expired or withdrawn); skipping", message.job_id)
+    claim = rt.jobs.claim(message.job_id, rt.worker_id, rt.settings.max_attempts)
+    if claim.outcome != ClaimOutcome.RUN or claim.job is None:
+        log.info("job %s not run: %s", message.job_id, claim.outcome.value)
         return
-    running = rt.jobs.mark_running(job)
-    if running is None:
-        log.info("job %s already finished; skipping the duplicate delivery", message.job_id)
-        return
-    try:
-        result, metadata = rt.runner.run(message)
-    except JobFailure as failure:
-        log.warning("job %s failed: %s %s", message.job_id, failure.code, failure.message)
-        rt.jobs.fail(
-            running, ErrorBody(code=failure.code, message=failure.message), failure.metadata
-        )
-        return
-    except Exception as exc:
-        log.exception("job %s crashed", message.job_id)
-        body = ErrorBody(
-            code=ErrorCode.ENGINE_ERROR,
-            message=f"The worker could not run the job: {type(exc).__name__}.",
-        )
-        rt.jobs.fail(running, body, None)
-        raise
+    running = claim.job
+    with rt.inflight.track(message.job_id) as handle:
+        try:
+            result, metadata = rt.runner.run(message, handle)
+        except JobStopped as stopped:
+            if stopped.reason == StopReason.CANCELLED:
+                log.info("job %s cancelled while running", message.job_id)
+                return
+            # Draining past the timeout: the job goes back to the queue for another worker.
+            released = rt.jobs.release(running)
+            log.warning("job %s handed back at shutdown (released=%s)", message.job_id, released)
+            raise Reject("worker shutting down", requeue=True) from None
+        except JobFailure as failure:
+            log.warning("job %s failed: %s %s", message.job_id, failure.code, failure.message)
+            rt.jobs.fail(
+                running, ErrorBody(code=failure.code, message=failure.message), failure.metadata
+            )
+            return
+        except Exception as exc:
+            log.exception("job %s crashed", message.job_id)
+            body = ErrorBody(
+                code=ErrorCode.ENGINE_ERROR,
+                message=f"The worker could not run the job: {type(exc).__name__}.",
+            )
+            rt.jobs.fail(running, body, None)
+            raise
     rt.jobs.succeed(running, result, metadata)

@@ -26,13 +26,13 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 _RETRY_AFTER = {"Retry-After": "2"}
 
 
-def _unavailable(what: str, exc: Exception, *, admitting: bool = True) -> ApiError:
-    if admitting:
-        message = (
-            f"The job was not accepted: {what} ({type(exc).__name__}). Nothing was enqueued; retry."
-        )
-    else:
-        message = f"The job could not be read: {what} ({type(exc).__name__}); retry."
+_NOT_ADMITTED = "The job was not accepted: {what} ({exc}). Nothing was enqueued; retry."
+_NOT_READ = "The job could not be read: {what} ({exc}); retry."
+_NOT_CANCELLED = "The job was not cancelled: {what} ({exc}); retry."
+
+
+def _unavailable(what: str, exc: Exception, template: str = _NOT_ADMITTED) -> ApiError:
+    message = template.format(what=what, exc=type(exc).__name__)
     return ApiError(503, ErrorCode.SERVICE_UNAVAILABLE, message, headers=_RETRY_AFTER)
 
 
@@ -136,10 +136,32 @@ async def get_job(
             try:
                 job = await job_store.get_job(redis, job_id)
             except (RedisError, OSError) as exc:
-                raise _unavailable("the job store is unreachable", exc, admitting=False) from exc
+                raise _unavailable("the job store is unreachable", exc, _NOT_READ) from exc
             if job is None:
                 raise ApiError(404, ErrorCode.JOB_NOT_FOUND, f"No job with id {job_id!r} exists.")
             remaining = deadline - time.monotonic()
             if job.status.terminal or remaining <= 0:
                 return job
             await waiter.sleep(finished, remaining)
+
+
+@router.delete("/{job_id}", response_model=JobPublic)
+async def cancel_job(job_id: str, redis: RedisDep, settings: SettingsDep) -> JobPublic:
+    """Cancel a job: a queued job never runs; a running one is aborted in the engine.
+
+    Answers the job as ``cancelled`` (also when it was already cancelled). A job that already
+    succeeded or failed is left as it is: 409 ``job_finished``.
+    """
+    try:
+        job = await job_store.cancel_job(redis, job_id, settings.job_ttl_s)
+    except (RedisError, OSError) as exc:
+        raise _unavailable("the job store is unreachable", exc, _NOT_CANCELLED) from exc
+    if job is None:
+        raise ApiError(404, ErrorCode.JOB_NOT_FOUND, f"No job with id {job_id!r} exists.")
+    if job.status != JobStatus.CANCELLED:
+        raise ApiError(
+            409,
+            ErrorCode.JOB_FINISHED,
+            f"Job {job_id!r} already {job.status.value}; there is nothing to cancel.",
+        )
+    return job

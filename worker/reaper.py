@@ -1,0 +1,78 @@
+"""Hands a dead worker's jobs back to their queues, without waiting for the visibility timeout.
+
+Every worker records the deliveries it has received and not yet finished (``held_key``: task
+id -> broker delivery tag) and refreshes a heartbeat key that expires ``announcement_ttl_s``
+after its last beat. Every ``restore_interval_s`` each worker looks for workers in the index
+whose heartbeat expired; for each delivery such a worker held, the first reaper to remove the
+entry puts the message back on its queue with kombu's own restore (the message moves from the
+transport's unacked set to the queue, as a visibility-timeout restore would do). So a job
+killed with its worker runs again within about ``announcement_ttl_s + restore_interval_s``,
+long before its deadline, while the visibility timeout remains the backstop (for example for a
+reaper that died half-way).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from kombu import Connection
+from redis import Redis
+from redis.exceptions import RedisError
+
+from contracts.keys import WORKERS_INDEX, held_key, worker_key
+
+log = logging.getLogger(__name__)
+
+
+class Reaper:
+    def __init__(self, redis: Redis, broker_url: str, worker_id: str, interval_s: float) -> None:
+        self._redis = redis
+        self._broker_url = broker_url
+        self._worker_id = worker_id
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reaper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self._interval_s + 10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.sweep()
+            except (RedisError, OSError) as exc:
+                log.warning("reaper sweep failed (%s); retrying", exc)
+            except Exception:
+                log.exception("reaper sweep failed")
+
+    def sweep(self) -> int:
+        """Restore the held deliveries of every worker whose heartbeat expired."""
+        restored = 0
+        for member in self._redis.smembers(WORKERS_INDEX):  # type: ignore[union-attr]
+            other = str(member)
+            if other == self._worker_id or self._redis.exists(worker_key(other)):
+                continue
+            restored += self._reap(other)
+        return restored
+
+    def _reap(self, dead: str) -> int:
+        held: dict[str, str] = self._redis.hgetall(held_key(dead))  # type: ignore[assignment]
+        restored = 0
+        if held:
+            with Connection(self._broker_url) as connection:
+                qos = connection.default_channel.qos
+                for task_id, tag in held.items():
+                    # Whoever removes the entry restores it: two reapers never both do.
+                    if self._redis.hdel(held_key(dead), task_id) == 1:
+                        qos.restore_by_tag(tag)
+                        restored += 1
+            log.warning("worker %s is gone: %d job(s) back on their queues", dead, restored)
+        if not self._redis.exists(held_key(dead)):
+            self._redis.srem(WORKERS_INDEX, dead)
+        return restored
