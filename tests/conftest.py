@@ -82,6 +82,8 @@ def infra(tmp_path_factory: pytest.TempPathFactory, fixtures_dir: Path) -> Itera
     stack = LocalStack(settings, fixtures_dir / "base")
     try:
         stack.start_infra()
+        # Tests wait on job records with keyspace notifications (``helpers.job_when``).
+        stack.redis().config_set("notify-keyspace-events", "Kh")
         yield stack
     finally:
         stack.stop()

@@ -6,7 +6,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ from celery import Celery
 from redis import Redis
 
 from contracts.jobs import JobPublic
-from contracts.keys import WORKERS_INDEX, worker_key
+from contracts.keys import WORKERS_INDEX, job_key, worker_key
 from contracts.queues import Tier
 from contracts.registry import AdapterRecord
 from lorafleet.client import JobsClient
@@ -87,6 +87,31 @@ def wait_job(gateway_url: str, job_id: str) -> dict[str, Any]:
         f"{gateway_url}/v1/jobs/{job_id}", params={"wait_s": 60}, timeout=90
     ).json()
     return job
+
+
+def job_record(redis: Redis, job_id: str) -> JobPublic:
+    """The job's record, read from Redis directly."""
+    raw = redis.hget(job_key(job_id), "record")
+    assert raw is not None, f"no record for job {job_id}"
+    return JobPublic.model_validate_json(raw)  # type: ignore[arg-type]
+
+
+def job_when(
+    redis: Redis, job_id: str, until: Callable[[JobPublic], bool], timeout_s: float = 60
+) -> JobPublic:
+    """The job as soon as ``until`` holds, woken by keyspace notifications on its record (the
+    test Redis enables them): a job may run for only ~1 s, and polling from a busy test
+    process can miss that window."""
+    pubsub = redis.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(f"__keyspace@0__:{job_key(job_id)}")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not until(job := job_record(redis, job_id)):
+            assert time.monotonic() < deadline, f"job {job_id} stuck: {job.model_dump_json()}"
+            pubsub.get_message(timeout=0.5)
+        return job
+    finally:
+        pubsub.close()
 
 
 def worker_heartbeat(redis: Redis) -> dict[str, Any]:

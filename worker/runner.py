@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -82,6 +83,18 @@ class JobRunner:
         self._adapters = adapters
         self._base_model = base_model
         self._hostname = hostname
+        self._aborts = 0
+        self._aborts_lock = threading.Lock()
+
+    @property
+    def aborted_requests(self) -> int:
+        """Engine requests this runner aborted (cancelled, past deadline, handed back)."""
+        with self._aborts_lock:
+            return self._aborts
+
+    def _aborted(self) -> None:
+        with self._aborts_lock:
+            self._aborts += 1
 
     def run(self, message: JobMessage, running: Running) -> tuple[JobResult, ResultMetadata]:
         started = time.time()
@@ -152,6 +165,7 @@ class JobRunner:
             try:
                 return future.result()
             except (concurrent.futures.CancelledError, asyncio.CancelledError):
+                self._aborted()
                 running.check()  # raises JobStopped: the only reason this future is cancelled
                 raise
 
@@ -165,6 +179,7 @@ class JobRunner:
                 timeout=remaining_s,
             )
         except TimeoutError:
+            self._aborted()
             raise JobFailure(
                 ErrorCode.DEADLINE_EXCEEDED,
                 "The job reached its deadline while generating; the generation was aborted.",

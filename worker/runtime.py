@@ -168,6 +168,7 @@ class WorkerRuntime:
             "disk_cache_bytes": self.cache.used_bytes(),
             "engine_unfinished_requests": self._unfinished_requests(),
             "jobs_running": len(self.inflight),
+            "engine_aborted_requests": self.runner.aborted_requests,
             "disk_cache_max_bytes": self.cache.max_bytes,
             "seen_at": time.time(),
         }

@@ -15,6 +15,7 @@ from lorafleet.stack import LocalStack
 from tests.helpers import (
     assert_engine_drains,
     hot_alias,
+    job_when,
     paused,
     submit_job,
     wait_job,
@@ -22,35 +23,36 @@ from tests.helpers import (
 )
 
 
-def _wait_running(gateway_url: str, job_id: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while httpx.get(f"{gateway_url}/v1/jobs/{job_id}").json()["status"] != "running":
-        assert time.monotonic() < deadline, "the job never started"
-        time.sleep(0.05)
-
-
 def test_running_job_is_cancelled_and_aborted_in_the_engine(
     stack: LocalStack, redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
-    accepted = submit_job(stack.gateway_url, hot_alias(published))
-    _wait_running(stack.gateway_url, accepted["id"])
-    response = httpx.delete(f"{stack.gateway_url}/v1/jobs/{accepted['id']}")
+    aborted_before = worker_heartbeat(redis)["engine_aborted_requests"]
+    # A batch, so each long job takes seconds: the cancellation lands mid-generation.
+    batch = [submit_job(stack.gateway_url, hot_alias(published))["id"] for _ in range(12)]
+    target = batch[-1]
+    job_when(redis, target, lambda job: job.status == "running")
+    response = httpx.delete(f"{stack.gateway_url}/v1/jobs/{target}")
     assert response.status_code == 200, response.text
     cancelled = response.json()
     assert cancelled["status"] == "cancelled"
     assert cancelled["error"]["code"] == "cancelled"
     assert "while running" in cancelled["error"]["message"]
-    # The engine request is gone (a 240-token generation would still hold it otherwise)
-    # and the worker wrote nothing over the cancellation.
+
+    for job_id in batch[:-1]:
+        assert wait_job(stack.gateway_url, job_id)["status"] == "succeeded"
+    # The worker aborted the engine request (its generate call was cancelled), the engine
+    # holds nothing, and the worker wrote nothing over the cancellation.
     assert_engine_drains(redis)
-    assert worker_heartbeat(redis)["jobs_running"] == 0
-    job = wait_job(stack.gateway_url, accepted["id"])
+    beat = worker_heartbeat(redis)
+    assert beat["engine_aborted_requests"] == aborted_before + 1
+    assert beat["jobs_running"] == 0
+    job = wait_job(stack.gateway_url, target)
     assert job["status"] == "cancelled"
     assert job["result"] is None
     assert job["attempts"] == 1
 
-    # Cancelling again is answered the same; a finished job can't be cancelled.
-    again = httpx.delete(f"{stack.gateway_url}/v1/jobs/{accepted['id']}")
+    # Cancelling again is answered the same.
+    again = httpx.delete(f"{stack.gateway_url}/v1/jobs/{target}")
     assert again.status_code == 200
     assert again.json()["status"] == "cancelled"
 

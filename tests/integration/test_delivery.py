@@ -23,13 +23,13 @@ from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
 from contracts.jobs import JobPublic
-from contracts.keys import JOB_EVENTS, job_key
+from contracts.keys import JOB_EVENTS
 from contracts.queues import Tier, queue_for
 from lorafleet.fixtures import AdapterSpec
 from lorafleet.processes import Child
 from lorafleet.settings import LocalSettings
 from lorafleet.stack import LocalStack
-from tests.helpers import submit_job
+from tests.helpers import job_record, job_when, submit_job
 
 DEADLINE_S = 30
 MAX_ATTEMPTS = 2
@@ -67,11 +67,11 @@ class Fleet:
     def gateway_url(self) -> str:
         return self.stack.gateway_url
 
-    def spawn_worker(self) -> Child:
+    def spawn_worker(self, env: dict[str, str] | None = None) -> Child:
         self._spawned += 1
         name = f"fleet-worker-{self._spawned}"
         return self.stack.spawn_worker(
-            {**FLEET_ENV, "LORAFLEET_WORKER_NAME": f"{name}@%h"}, name=name
+            {**FLEET_ENV, **(env or {}), "LORAFLEET_WORKER_NAME": f"{name}@%h"}, name=name
         )
 
     def workers(self) -> list[Child]:
@@ -85,9 +85,7 @@ class Fleet:
         return f"{worker.name}@{socket.gethostname()}"
 
     def job(self, job_id: str) -> JobPublic:
-        raw = self.redis.hget(job_key(job_id), "record")
-        assert raw is not None
-        return JobPublic.model_validate_json(raw)  # type: ignore[arg-type]
+        return job_record(self.redis, job_id)
 
     def wait_job(
         self,
@@ -102,20 +100,6 @@ class Fleet:
                 return job
             assert time.monotonic() < deadline, f"job {job_id} stuck: {job.model_dump_json()}"
             time.sleep(0.05)
-
-    def when(self, job_id: str, until: Callable[[JobPublic], bool], timeout_s: float) -> JobPublic:
-        """The job as soon as ``until`` holds, woken by Redis keyspace notifications on its
-        record (a job may run for only ~1 s; polling from a busy test process can miss it)."""
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(f"__keyspace@0__:{job_key(job_id)}")
-        try:
-            deadline = time.monotonic() + timeout_s
-            while not until(job := self.job(job_id)):
-                assert time.monotonic() < deadline, f"job {job_id} stuck: {job.model_dump_json()}"
-                pubsub.get_message(timeout=0.5)
-            return job
-        finally:
-            pubsub.close()
 
     def first_running(self, job_ids: list[str], timeout_s: float = 60) -> JobPublic:
         """The first of ``job_ids`` seen running (polled fast: a job may run ~1 s)."""
@@ -144,7 +128,7 @@ def fleet(
     stack = LocalStack(settings, fixtures_dir / "base", persistent_redis=True)
     try:
         stack.start_infra()
-        stack.redis().config_set("notify-keyspace-events", "Kh")  # for ``Fleet.when``
+        stack.redis().config_set("notify-keyspace-events", "Kh")  # for ``job_when``
         alias = specs[0].name
         stack.publisher().publish(fixtures_dir / "adapters" / alias, alias, Tier.HOT)
         fleet = Fleet(stack, alias)
@@ -215,8 +199,11 @@ def test_job_that_kills_its_worker_every_time_stops_after_max_attempts(fleet: Fl
     killed: list[Child] = []
     later: list[str] = []
     for attempt in range(1, MAX_ATTEMPTS + 1):
-        running = fleet.when(
-            poison, lambda job, n=attempt: job.status == "running" and job.attempts == n, 120
+        running = job_when(
+            fleet.redis,
+            poison,
+            lambda job, n=attempt: job.status == "running" and job.attempts == n,
+            120,
         )
         worker = fleet.worker_running(running)
         os.killpg(worker.pid, signal.SIGKILL)
@@ -261,6 +248,35 @@ def test_sigterm_drains_a_batch_of_running_jobs_and_exits_zero(fleet: Fleet) -> 
     finally:
         assert fleet.control.add_consumer(QUEUE, destination=[fleet.node(other)], reply=True)
     _replace(fleet, [target])
+
+
+def test_sigterm_past_the_drain_timeout_hands_running_jobs_to_another_worker(
+    fleet: Fleet,
+) -> None:
+    others = fleet.workers()
+    nodes = [fleet.node(worker) for worker in others]
+    assert len(fleet.control.cancel_consumer(QUEUE, destination=nodes, reply=True)) == 2
+    try:
+        impatient = fleet.spawn_worker({"LORAFLEET_DRAIN_TIMEOUT_S": "0.5"})
+        fleet.stack.wait_worker(impatient)
+        batch = [submit_job(fleet.gateway_url, fleet.alias)["id"] for _ in range(8)]
+        deadline = time.monotonic() + 60
+        while not all(fleet.job(job_id).status == "running" for job_id in batch):
+            assert time.monotonic() < deadline, "the batch never ran all at once"
+        os.kill(impatient.pid, signal.SIGTERM)
+        assert impatient.process.wait(timeout=60) == 0, impatient.log_tail()
+        for job_id in batch:  # handed back: queued again, the interrupted attempt uncounted
+            job = fleet.job(job_id)
+            assert (job.status, job.attempts) == ("queued", 0), job.model_dump_json()
+        assert fleet.redis.llen(QUEUE) == len(batch)
+        assert fleet.unacked() == 0
+    finally:
+        assert len(fleet.control.add_consumer(QUEUE, destination=nodes, reply=True)) == 2
+    for job_id in batch:
+        job = fleet.wait_finished(job_id)
+        assert job.status == "succeeded", job.model_dump_json()
+        assert job.attempts == 1
+        assert job.worker != fleet.stack.worker_id(impatient)
 
 
 def test_jobs_queued_before_a_redis_restart_run_after_it(fleet: Fleet) -> None:
