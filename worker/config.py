@@ -50,6 +50,12 @@ class WorkerSettings(BaseSettings):
     enforce_eager: bool = Field(
         default=False, description="Disable CUDA graphs / compilation (required on CPU)."
     )
+    colocate_engine_core: bool = Field(
+        default=False,
+        description="CPU engines: run vLLM's engine-core process on the cores its model worker "
+        "is bound to (`VLLM_CPU_OMP_THREADS_BIND`), leaving the reserved cores to this worker's "
+        "consumer and job threads.",
+    )
     cache_dir: Path = Field(
         default=Path(".lorafleet/cache"), description="Local disk cache of adapter artifacts."
     )

@@ -7,12 +7,15 @@ engine sees all of them together and batches across jobs and adapters.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
 from collections.abc import Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import psutil
 import vllm
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -63,6 +66,25 @@ class EngineOptions:
         )
 
 
+def colocate_children(parent: psutil.Process) -> set[int] | None:
+    """Bind all of ``parent``'s descendants, every thread, to the narrowest CPU set among them."""
+    children = parent.children(recursive=True)
+    allowed = set(os.sched_getaffinity(0))
+    narrowest: set[int] | None = None
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            cores = set(child.cpu_affinity())
+            if cores < allowed and (narrowest is None or len(cores) < len(narrowest)):
+                narrowest = cores
+    if narrowest is None:
+        return None
+    for child in children:
+        with contextlib.suppress(psutil.Error, OSError):
+            for thread in child.threads():
+                os.sched_setaffinity(thread.id, narrowest)
+    return narrowest
+
+
 ENGINE_NAME = "vllm"
 ENGINE_VERSION = vllm.__version__
 
@@ -91,6 +113,16 @@ class EngineHost:
         if self._engine is None:
             raise RuntimeError("the engine has not been started")
         return self._engine
+
+    def colocate_engine_core(self) -> set[int] | None:
+        """Bind every engine process to the narrowest CPU set any of them is bound to.
+
+        On CPUs vLLM binds its model worker's OpenMP threads to some cores and reserves the
+        rest for the frontend, but leaves its engine-core process unbound; that process
+        busy-polls between steps, on the reserved cores too, starving this process's consumer
+        and job threads. Returns the cores applied (``None``: nothing was narrower).
+        """
+        return colocate_children(psutil.Process())
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Schedule ``coro`` on the engine loop from any thread."""

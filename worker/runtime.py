@@ -83,6 +83,8 @@ class WorkerRuntime:
             self.host, self.cache, self.adapters, self.base_model, self.hostname
         )
         self.inflight = InFlight()
+        self._deliveries: dict[str, str] = {}
+        self._deliveries_lock = threading.Lock()
         self.cancels = CancelWatcher(self.redis, self.jobs, self.inflight, settings.cancel_poll_s)
         self.reaper = Reaper(
             self.redis, settings.effective_broker_url, self.worker_id, settings.restore_interval_s
@@ -106,6 +108,8 @@ class WorkerRuntime:
         started = time.perf_counter()
         self.host.start()
         log.info("engine ready in %.1f s", time.perf_counter() - started)
+        if self.settings.colocate_engine_core:
+            log.info("engine processes bound to cores %s", self.host.colocate_engine_core())
         self._preload(hot, warm)
 
     def announce(self) -> None:
@@ -185,9 +189,17 @@ class WorkerRuntime:
         except TimeoutError:
             return None
 
-    def hold(self, task_id: str, delivery_tag: str) -> None:
-        """A delivery was received: if this worker dies, the reaper hands it back."""
-        self.redis.hset(held_key(self.worker_id), task_id, delivery_tag)
+    def note_delivery(self, task_id: str, delivery_tag: str) -> None:
+        """The consumer received ``task_id`` under ``delivery_tag`` (memory only)."""
+        with self._deliveries_lock:
+            self._deliveries[task_id] = delivery_tag
+
+    def hold(self, task_id: str) -> None:
+        """The job starts here: if this worker dies, another worker's reaper hands it back."""
+        with self._deliveries_lock:
+            delivery_tag = self._deliveries.pop(task_id, None)
+        if delivery_tag is not None:
+            self.redis.hset(held_key(self.worker_id), task_id, delivery_tag)
 
     def unhold(self, task_id: str) -> None:
         self.redis.hdel(held_key(self.worker_id), task_id)

@@ -27,6 +27,11 @@ log = logging.getLogger(__name__)
 @app.task(name=RUN_JOB_TASK)
 def run_job(payload: dict[str, Any]) -> None:
     """Run one job; its outcome is written to the job record, never returned to Celery."""
+    # From here until the outcome is stored, if this worker dies, another worker's reaper
+    # puts the message back on its queue. (A prefetched message that no pool thread has
+    # started yet is recovered by the visibility timeout instead; with the default prefetch
+    # multiplier of 1 every received message starts at once.)
+    runtime().hold(run_job.request.id)
     try:
         _run(payload)
     finally:

@@ -22,6 +22,13 @@ def test_settings_come_from_the_environment_as_strings(monkeypatch: pytest.Monke
         ({"LORAFLEET_MAX_LORA_RANK": "7"}, "max_lora_rank must be one of"),
         ({"LORAFLEET_MAX_LORAS": "4", "LORAFLEET_MAX_CPU_LORAS": "2"}, "max_cpu_loras must be"),
         ({"LORAFLEET_GPU_MEMORY_UTILIZATION": "1.5"}, "gpu_memory_utilization"),
+        # 600 s deadline + (4 x 10 s + 2 s) heartbeat expiry + 10 s restore interval = 652 s
+        ({"LORAFLEET_VISIBILITY_TIMEOUT_S": "652"}, "visibility_timeout_s must exceed"),
+        (
+            {"LORAFLEET_JOB_DEADLINE_S": "30", "LORAFLEET_VISIBILITY_TIMEOUT_S": "40"},
+            "= 82 s",
+        ),
+        ({"LORAFLEET_MAX_ATTEMPTS": "0"}, "max_attempts"),
     ],
 )
 def test_unsafe_settings_are_refused_at_start(
@@ -32,3 +39,12 @@ def test_unsafe_settings_are_refused_at_start(
     with pytest.raises(ValidationError) as caught:
         WorkerSettings()
     assert message in str(caught.value)
+
+
+def test_visibility_timeout_just_above_the_floor_is_accepted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LORAFLEET_VISIBILITY_TIMEOUT_S", "653")
+    settings = WorkerSettings()
+    assert settings.announcement_ttl_s == 42
+    assert settings.visibility_timeout_s == 653

@@ -1,0 +1,89 @@
+"""The job-record compare-and-set script, run by a real Redis (the session's Valkey)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+from redis import Redis
+
+from contracts.job_records import ADVANCE, Advance, advance_call
+from contracts.jobs import JobPublic, JobStatus
+from contracts.keys import JOB_CANCELS, JOB_EVENTS, job_key
+
+
+def _job(status: JobStatus = JobStatus.QUEUED, attempts: int = 0) -> JobPublic:
+    return JobPublic(
+        id=uuid.uuid4().hex,
+        status=status,
+        adapter="a",
+        revision="sha256:" + "0" * 64,
+        queue="lorafleet.hot",
+        created_at=datetime.now(tz=UTC),
+        attempts=attempts,
+    )
+
+
+def _create(redis: Redis, job: JobPublic) -> None:
+    redis.hset(
+        job_key(job.id),
+        mapping={"status": job.status.value, "record": job.model_dump_json(), "attempts": 0},
+    )
+
+
+def _advance(redis: Redis, job: JobPublic, expect: int | None = None) -> Advance:
+    keys, args = advance_call(job, 60, expect)
+    return Advance(int(redis.register_script(ADVANCE)(keys=keys, args=args)))
+
+
+def test_terminal_states_are_final_and_published_once(redis: Redis) -> None:
+    job = _job()
+    _create(redis, job)
+    events = redis.pubsub(ignore_subscribe_messages=True)
+    events.subscribe(JOB_EVENTS)
+    running = job.model_copy(update={"status": JobStatus.RUNNING, "attempts": 1})
+    assert _advance(redis, running, expect=0) == Advance.WRITTEN
+    done = running.model_copy(update={"status": JobStatus.SUCCEEDED})
+    assert _advance(redis, done) == Advance.WRITTEN
+    for late in (JobStatus.FAILED, JobStatus.RUNNING, JobStatus.CANCELLED, JobStatus.SUCCEEDED):
+        assert _advance(redis, done.model_copy(update={"status": late})) == (
+            Advance.ALREADY_FINISHED
+        )
+    assert redis.hget(job_key(job.id), "status") == "succeeded"
+    assert redis.hget(job_key(job.id), "attempts") == "1"
+    published = []
+    for _ in range(20):  # 2 s of listening, well past the writes above
+        message = events.get_message(timeout=0.1)
+        if message is not None and message["type"] == "message":
+            published.append(message["data"])
+    assert published == [job.id]
+
+
+def test_a_stale_writer_loses_the_compare_and_set(redis: Redis) -> None:
+    job = _job()
+    _create(redis, job)
+    claimed = job.model_copy(update={"status": JobStatus.RUNNING, "attempts": 1})
+    assert _advance(redis, claimed, expect=0) == Advance.WRITTEN
+    # A canceller that read the job before the claim (attempts 0) must re-read.
+    cancelled = job.model_copy(update={"status": JobStatus.CANCELLED})
+    assert _advance(redis, cancelled, expect=0) == Advance.CONFLICT
+    assert redis.hget(job_key(job.id), "status") == "running"
+
+
+def test_cancellation_is_announced_to_workers(redis: Redis) -> None:
+    job = _job()
+    _create(redis, job)
+    cancels = redis.pubsub(ignore_subscribe_messages=True)
+    cancels.subscribe(JOB_CANCELS)
+    cancels.get_message(timeout=0.5)  # the subscription confirmation
+    assert _advance(redis, job.model_copy(update={"status": JobStatus.CANCELLED})) == (
+        Advance.WRITTEN
+    )
+    message = cancels.get_message(timeout=2)
+    assert message is not None and message["data"] == job.id
+
+
+def test_a_missing_record_is_never_created(redis: Redis) -> None:
+    job = _job()
+    assert _advance(redis, job.model_copy(update={"status": JobStatus.FAILED})) == Advance.MISSING
+    assert not redis.exists(job_key(job.id))
