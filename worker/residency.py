@@ -7,10 +7,11 @@ by both).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -66,6 +67,41 @@ class SlotGate:
                 self._cond.notify_all()
 
 
+class SharedQuestion:
+    """One engine round trip answers every caller that asked before it started.
+
+    Each ``list_loras`` is a request to the engine-core process, served between steps; with
+    hundreds of jobs starting at once, one each would delay them all. A caller joins the round
+    not yet sent (or opens one); a round is sent on the next loop iteration, so its answer is
+    never older than any of its callers' questions. Runs on the engine loop only.
+    """
+
+    def __init__(self, ask: Callable[[], Awaitable[Iterable[int]]]) -> None:
+        self._ask = ask
+        self._pending: asyncio.Future[set[int]] | None = None
+        self._sending: set[asyncio.Task[None]] = set()  # strong references until done
+
+    async def ask(self) -> set[int]:
+        if self._pending is None:
+            self._pending = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_soon(self._send)
+        return await asyncio.shield(self._pending)
+
+    def _send(self) -> None:
+        round_, self._pending = self._pending, None  # later callers open the next round
+        assert round_ is not None
+
+        async def answer() -> None:
+            try:
+                round_.set_result(set(await self._ask()))
+            except Exception as exc:
+                round_.set_exception(exc)
+
+        task = asyncio.get_running_loop().create_task(answer())
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+
 class EngineAdapters:
     """Makes verified adapters resident in the engine, once per digest at a time."""
 
@@ -79,6 +115,7 @@ class EngineAdapters:
         self._pinned: set[int] = set()
         self._locks: dict[str, threading.Lock] = {}
         self._gate = SlotGate(max_loras)
+        self._listing = SharedQuestion(lambda: self._host.engine.list_loras())
 
     def _id_for(self, digest: str) -> int:
         with self._guard:
@@ -98,8 +135,11 @@ class EngineAdapters:
         )
 
     def registered(self) -> set[int]:
-        """Adapter ids the engine holds right now (its own answer, not our bookkeeping)."""
-        return set(self._host.run(self._host.engine.list_loras()))
+        """Adapter ids the engine holds right now (its own answer, not our bookkeeping).
+
+        Asked no earlier than this call; concurrent callers share one question to the engine.
+        """
+        return self._host.run(self._listing.ask())
 
     def observe(self, digest: str, registered: set[int]) -> Residency:
         """Residency of ``digest`` given the engine's ``registered`` ids (just asked)."""
