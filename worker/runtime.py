@@ -14,6 +14,7 @@ from pathlib import Path
 import boto3
 from botocore.config import Config
 from redis import Redis
+from redis.exceptions import RedisError
 
 from contracts.digests import manifest_of
 from contracts.jobs import LoadTimings
@@ -198,11 +199,18 @@ class WorkerRuntime:
         """The job starts here: if this worker dies, another worker's reaper hands it back."""
         with self._deliveries_lock:
             delivery_tag = self._deliveries.pop(task_id, None)
-        if delivery_tag is not None:
+        if delivery_tag is None:
+            return
+        try:
             self.redis.hset(held_key(self.worker_id), task_id, delivery_tag)
+        except (RedisError, OSError) as exc:  # the visibility timeout remains the backstop
+            log.warning("could not record delivery %s: %s", task_id, exc)
 
     def unhold(self, task_id: str) -> None:
-        self.redis.hdel(held_key(self.worker_id), task_id)
+        try:
+            self.redis.hdel(held_key(self.worker_id), task_id)
+        except (RedisError, OSError) as exc:  # a stale entry only restores a finished job
+            log.warning("could not clear delivery %s: %s", task_id, exc)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_s):

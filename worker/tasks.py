@@ -13,6 +13,7 @@ from typing import Any
 
 from celery.exceptions import Reject
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
 from contracts.errors import ErrorBody, ErrorCode
 from contracts.jobs import JobMessage
@@ -34,6 +35,11 @@ def run_job(payload: dict[str, Any]) -> None:
     runtime().hold(run_job.request.id)
     try:
         _run(payload)
+    except (RedisError, OSError) as exc:
+        # Redis stayed unreachable longer than the job store waits: the outcome could not be
+        # stored. Back to the queue rather than acknowledged, so the job is not lost.
+        log.error("job record unreachable (%s); handing the job back", exc)
+        raise Reject(f"job store unreachable: {exc}", requeue=True) from None
     finally:
         # The outcome is stored (or the job handed back): nothing for a reaper to restore.
         runtime().unhold(run_job.request.id)

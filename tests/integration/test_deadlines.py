@@ -11,7 +11,14 @@ from redis import Redis
 from contracts.queues import Tier, queue_for
 from contracts.registry import AdapterRecord
 from lorafleet.stack import LocalStack
-from tests.helpers import assert_engine_drains, hot_alias, paused, submit_job, wait_job
+from tests.helpers import (
+    assert_engine_drains,
+    hot_alias,
+    paused,
+    submit_job,
+    wait_job,
+    worker_heartbeat,
+)
 
 
 def test_deadline_above_the_fleet_limit_is_refused(
@@ -35,6 +42,7 @@ def test_deadline_above_the_fleet_limit_is_refused(
 def test_generation_past_its_deadline_is_aborted_in_the_engine(
     stack: LocalStack, redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
+    aborted_before = worker_heartbeat(redis)["engine_aborted_requests"]
     doomed = submit_job(stack.gateway_url, hot_alias(published), deadline_s=0.5)
     failed = wait_job(stack.gateway_url, doomed["id"])
     assert failed["status"] == "failed"
@@ -44,6 +52,7 @@ def test_generation_past_its_deadline_is_aborted_in_the_engine(
     assert "while generating" in failed["error"]["message"]
     assert failed["result"] is None
     assert_engine_drains(redis)
+    assert worker_heartbeat(redis)["engine_aborted_requests"] == aborted_before + 1
 
 
 @pytest.mark.pauses_consumer
