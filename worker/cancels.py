@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from contracts.jobs import JobStatus
 from contracts.keys import JOB_CANCELS
+from worker.background import Background
 from worker.errors import StopReason
 from worker.inflight import InFlight
 from worker.job_store import JobStore
@@ -29,30 +30,27 @@ class CancelWatcher:
         self._jobs = jobs
         self._inflight = inflight
         self._poll_s = poll_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cancel-watcher", daemon=True)
+        self._thread = Background("cancel-watcher", self._run, join_timeout_s=poll_s + 5)
 
     def start(self) -> None:
         self._thread.start()
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self._poll_s + 5)
+        self._thread.close()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def _run(self, stopping: threading.Event) -> None:
+        while not stopping.is_set():
             try:
                 with self._redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     pubsub.subscribe(JOB_CANCELS)
-                    while not self._stop.is_set():
+                    while not stopping.is_set():
                         message = pubsub.get_message(timeout=self._poll_s)
                         if message is not None and message["type"] == "message":
                             self._inflight.stop(str(message["data"]), StopReason.CANCELLED)
                         self.sweep()
             except (RedisError, OSError) as exc:
                 log.warning("cancel subscription lost (%s); retrying", exc)
-                self._stop.wait(self._poll_s)
+                stopping.wait(self._poll_s)
 
     def sweep(self) -> None:
         """Stop every in-flight job whose record says cancelled (or is gone)."""

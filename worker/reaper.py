@@ -21,6 +21,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from contracts.keys import WORKERS_INDEX, held_key, worker_key
+from worker.background import Background
 
 log = logging.getLogger(__name__)
 
@@ -31,19 +32,16 @@ class Reaper:
         self._broker_url = broker_url
         self._worker_id = worker_id
         self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reaper", daemon=True)
+        self._thread = Background("reaper", self._run, join_timeout_s=interval_s + 10)
 
     def start(self) -> None:
         self._thread.start()
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self._interval_s + 10)
+        self._thread.close()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+    def _run(self, stopping: threading.Event) -> None:
+        while not stopping.wait(self._interval_s):
             try:
                 self.sweep()
             except (RedisError, OSError) as exc:

@@ -22,6 +22,7 @@ from contracts.keys import WORKERS_INDEX, held_key, worker_key
 from contracts.redis_policy import sync_options
 from contracts.registry import AdapterRecord, BaseModelRef
 from worker.adapter_cache import AdapterCache
+from worker.background import Background
 from worker.cancels import CancelWatcher
 from worker.config import WorkerSettings
 from worker.engine import ENGINE_VERSION, EngineHost, EngineOptions
@@ -94,8 +95,9 @@ class WorkerRuntime:
         self.pinned: list[str] = []
         self.warm_preloaded: list[str] = []
         self._pinned_holds = ExitStack()
-        self._stop = threading.Event()
-        self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self._heartbeat = Background(
+            "heartbeat", self._beat, join_timeout_s=settings.heartbeat_s + 5
+        )
 
     def start(self) -> None:
         """Check the slot budget, start the engine, preload hot and warm adapters."""
@@ -212,18 +214,16 @@ class WorkerRuntime:
         except (RedisError, OSError) as exc:  # a stale entry only restores a finished job
             log.warning("could not clear delivery %s: %s", task_id, exc)
 
-    def _beat(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_s):
+    def _beat(self, stopping: threading.Event) -> None:
+        while not stopping.wait(self.settings.heartbeat_s):
             try:
                 self._announce()
-            except OSError as exc:
-                log.warning("heartbeat failed: %s", exc)
             except Exception as exc:  # a Redis outage must not kill the heartbeat thread
                 log.warning("heartbeat failed: %s", exc)
 
     def close(self) -> None:
         """Stop the heartbeat, withdraw the announcement, shut the engine down."""
-        self._stop.set()
+        self._heartbeat.close()
         if self._drain_timer is not None:
             self._drain_timer.cancel()
         self.cancels.close()
