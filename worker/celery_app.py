@@ -4,11 +4,12 @@ All delivery settings live here, together, each with the reason it is set. The g
 they add up to (README, "Delivery guarantees"):
 
 - at least once: a job is acknowledged only after its outcome is stored; a worker that dies
-  mid-job never acknowledges, and Redis hands the job to another worker once it has been
-  unacknowledged for ``visibility_timeout_s`` (checked every ``restore_interval_s``);
-- never twice at once: ``visibility_timeout_s > job_deadline_s`` and every job ends (or is
-  failed with ``deadline_exceeded``) by its deadline, so a live worker always acknowledges a
-  job before Redis would redeliver it;
+  mid-job never acknowledges, and another worker's reaper (``worker.reaper``) puts its jobs
+  back on their queues once its heartbeat expired; as a backstop, Redis hands out anything
+  unacknowledged for ``visibility_timeout_s`` (both checked every ``restore_interval_s``);
+- never twice at once: every job ends (or fails ``deadline_exceeded``) by its deadline, and
+  ``visibility_timeout_s`` exceeds deadline + heartbeat expiry + restore interval, so a live
+  worker always acknowledges a job before Redis would redeliver it;
 - effects once: every record change is a compare-and-set (``contracts.job_records``);
 - a job that kills its worker every time stops after ``max_attempts`` starts;
 - SIGTERM drains: no new jobs, running ones get ``drain_timeout_s`` to finish, then are aborted
@@ -44,7 +45,7 @@ app.conf.update(
     # Acknowledge only after the task returned (result stored): a crash mid-job redelivers it.
     task_acks_late=True,
     # Prefork pools: a task whose child process died goes back to the queue. (With the
-    # threads pool a dead worker never acknowledged, so Redis redelivers after the timeout.)
+    # threads pool the whole worker dies; the reaper of another worker restores its jobs.)
     task_reject_on_worker_lost=True,
     broker_transport_options={
         # Unacked jobs return to the queue this long after delivery: longer than any job
