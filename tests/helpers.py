@@ -121,6 +121,16 @@ def worker_heartbeat(redis: Redis) -> dict[str, Any]:
     return record
 
 
+def fresh_heartbeat(redis: Redis, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The worker's first announcement written after this call (counters up to date)."""
+    since = time.time()
+    deadline = time.monotonic() + timeout_s
+    while (beat := worker_heartbeat(redis))["seen_at"] <= since:
+        assert time.monotonic() < deadline, "the worker stopped announcing itself"
+        time.sleep(0.1)
+    return beat
+
+
 def assert_engine_drains(redis: Redis, timeout_s: float = 30.0) -> None:
     """A heartbeat written from now on reports an engine with no unfinished request."""
     since = time.time()

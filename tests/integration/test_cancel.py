@@ -14,6 +14,7 @@ from contracts.registry import AdapterRecord
 from lorafleet.stack import LocalStack
 from tests.helpers import (
     assert_engine_drains,
+    fresh_heartbeat,
     hot_alias,
     job_when,
     paused,
@@ -26,7 +27,7 @@ from tests.helpers import (
 def test_running_job_is_cancelled_and_aborted_in_the_engine(
     stack: LocalStack, redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
-    aborted_before = worker_heartbeat(redis)["engine_aborted_requests"]
+    aborted_before = fresh_heartbeat(redis)["engine_aborted_requests"]
     # A batch, so each long job takes seconds: the cancellation lands mid-generation.
     batch = [submit_job(stack.gateway_url, hot_alias(published))["id"] for _ in range(12)]
     target = batch[-1]

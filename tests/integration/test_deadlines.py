@@ -13,6 +13,7 @@ from contracts.registry import AdapterRecord
 from lorafleet.stack import LocalStack
 from tests.helpers import (
     assert_engine_drains,
+    fresh_heartbeat,
     hot_alias,
     paused,
     submit_job,
@@ -42,7 +43,7 @@ def test_deadline_above_the_fleet_limit_is_refused(
 def test_generation_past_its_deadline_is_aborted_in_the_engine(
     stack: LocalStack, redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
-    aborted_before = worker_heartbeat(redis)["engine_aborted_requests"]
+    aborted_before = fresh_heartbeat(redis)["engine_aborted_requests"]
     doomed = submit_job(stack.gateway_url, hot_alias(published), deadline_s=0.5)
     failed = wait_job(stack.gateway_url, doomed["id"])
     assert failed["status"] == "failed"
