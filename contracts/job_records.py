@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-from contracts.jobs import TERMINAL_STATUSES, JobPublic
+from contracts.jobs import TERMINAL_STATUSES, JobPublic, JobStatus
 from contracts.keys import JOB_CANCELS, JOB_EVENTS, job_key
 
 _TERMINAL_LUA = " or ".join(f"s == '{status.value}'" for status in sorted(TERMINAL_STATUSES))
@@ -33,7 +33,7 @@ redis.call('HSET', KEYS[1], 'status', ARGV[1], 'record', ARGV[2])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'attempts', ARGV[5]) end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 if terminal(ARGV[1]) then redis.call('PUBLISH', KEYS[2], ARGV[6]) end
-if ARGV[1] == 'cancelled' then redis.call('PUBLISH', KEYS[3], ARGV[6]) end
+if ARGV[1] == '{JobStatus.CANCELLED.value}' then redis.call('PUBLISH', KEYS[3], ARGV[6]) end
 return 1
 """
 

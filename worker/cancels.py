@@ -24,19 +24,13 @@ from worker.job_store import JobStore
 log = logging.getLogger(__name__)
 
 
-class CancelWatcher:
+class CancelWatcher(Background):
     def __init__(self, redis: Redis, jobs: JobStore, inflight: InFlight, poll_s: float) -> None:
         self._redis = redis
         self._jobs = jobs
         self._inflight = inflight
         self._poll_s = poll_s
-        self._thread = Background("cancel-watcher", self._run, join_timeout_s=poll_s + 5)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self) -> None:
-        self._thread.close()
+        super().__init__("cancel-watcher", self._run, join_timeout_s=poll_s + 5)
 
     def _run(self, stopping: threading.Event) -> None:
         while not stopping.is_set():

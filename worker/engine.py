@@ -129,8 +129,14 @@ class EngineHost:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        """Run ``coro`` on the engine loop and wait for its result."""
-        return self.submit(coro).result(timeout=timeout_s)
+        """Run ``coro`` on the engine loop and wait for its result; past ``timeout_s`` the
+        coroutine is cancelled and ``TimeoutError`` raised."""
+        future = self.submit(coro)
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
 
     def unfinished_requests(self, timeout_s: float = 5.0) -> int:
         """Requests the engine still holds (running or waiting), asked on its own loop."""
@@ -138,12 +144,7 @@ class EngineHost:
         async def count() -> int:
             return self.engine.get_num_unfinished_requests()
 
-        future = self.submit(count())
-        try:
-            return future.result(timeout=timeout_s)
-        except TimeoutError:
-            future.cancel()
-            raise
+        return self.run(count(), timeout_s)
 
     def shutdown(self) -> None:
         """Stop the engine (and its child processes), then the loop thread."""

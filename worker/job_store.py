@@ -94,7 +94,8 @@ class JobStore:
             if job.status.terminal:
                 return Claim(ClaimOutcome.FINISHED, job)
             if job.attempts >= max_attempts:
-                failed = _finished(
+                wanted = ClaimOutcome.EXHAUSTED
+                claimed = _finished(
                     job,
                     JobStatus.FAILED,
                     error=ErrorBody(
@@ -104,9 +105,8 @@ class JobStore:
                         "tried again.",
                     ),
                 )
-                outcome, wanted = self._write(failed, job.attempts), ClaimOutcome.EXHAUSTED
-                claimed = failed
             else:
+                wanted = ClaimOutcome.RUN
                 claimed = job.model_copy(
                     update={
                         "status": JobStatus.RUNNING,
@@ -115,7 +115,7 @@ class JobStore:
                         "worker": worker_id,
                     }
                 )
-                outcome, wanted = self._write(claimed, job.attempts), ClaimOutcome.RUN
+            outcome = self._write(claimed, expect_attempts=job.attempts)
             if outcome == Advance.WRITTEN:
                 return Claim(wanted, claimed)
             if outcome == Advance.MISSING:

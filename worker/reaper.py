@@ -26,19 +26,13 @@ from worker.background import Background
 log = logging.getLogger(__name__)
 
 
-class Reaper:
+class Reaper(Background):
     def __init__(self, redis: Redis, broker_url: str, worker_id: str, interval_s: float) -> None:
         self._redis = redis
         self._broker_url = broker_url
         self._worker_id = worker_id
         self._interval_s = interval_s
-        self._thread = Background("reaper", self._run, join_timeout_s=interval_s + 10)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self) -> None:
-        self._thread.close()
+        super().__init__("reaper", self._run, join_timeout_s=interval_s + 10)
 
     def _run(self, stopping: threading.Event) -> None:
         while not stopping.wait(self._interval_s):
