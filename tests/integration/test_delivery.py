@@ -23,7 +23,7 @@ from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
 from contracts.jobs import JobPublic
-from contracts.keys import JOB_EVENTS
+from contracts.keys import JOB_EVENTS, worker_key
 from contracts.queues import Tier, queue_for
 from lorafleet.fixtures import AdapterSpec
 from lorafleet.processes import Child
@@ -112,6 +112,15 @@ class Fleet:
 
     def wait_finished(self, job_id: str, timeout_s: float = 180) -> JobPublic:
         return self.wait_job(job_id, lambda job: job.status.terminal, timeout_s)
+
+    def wait_any_consuming(self, timeout_s: float = 600) -> None:
+        """Until at least one live worker has announced itself (engine up, consuming)."""
+        deadline = time.monotonic() + timeout_s
+        while not any(
+            self.redis.exists(worker_key(self.stack.worker_id(worker))) for worker in self.workers()
+        ):
+            assert time.monotonic() < deadline, "no worker came back"
+            time.sleep(0.2)
 
     def unacked(self) -> int:
         return sum(int(self.redis.exists(key)) for key in UNACKED)
@@ -210,7 +219,10 @@ def test_job_that_kills_its_worker_every_time_stops_after_max_attempts(fleet: Fl
         worker.process.wait(timeout=10)
         killed.append(worker)
         fleet.spawn_worker()  # a supervisor restarts it; the poison may land there again
-        # Other jobs keep flowing on the workers still alive while the poison waits.
+        # Other jobs keep flowing while the poison waits. Both workers may be down right
+        # after this kill (the other died on the previous attempt and is still restarting):
+        # submit once one consumes, or the job would wait out its 30 s deadline.
+        fleet.wait_any_consuming()
         later.append(submit_job(fleet.gateway_url, fleet.alias, sampling={"max_tokens": 4})["id"])
 
     job = fleet.wait_finished(poison)
