@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from contracts.queues import Tier, queue_for
-from lorafleet.client import JobsClient
+from lorafleet.client import JobsClient, auth_headers
 from lorafleet.fixtures import write_fixtures
 from lorafleet.settings import LocalSettings
 from lorafleet.stack import CPU_ENGINE_DEFAULTS, LocalStack
@@ -126,7 +126,8 @@ async def pipeline(
     pids = {child.name: child.pid for child in stack.children if child.name != "s3"}
     pids["client"] = os.getpid()
     control = Celery(broker=stack.redis_url).control
-    async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=60) as http:
+    headers = auth_headers(stack.api_key)
+    async with httpx.AsyncClient(base_url=stack.gateway_url, headers=headers, timeout=60) as http:
         client = JobsClient(http)
         for alias in sorted({alias for alias, _ in work}):  # warm: loads are not measured
             await client.run(alias, "warm up", {"max_tokens": 2})

@@ -17,6 +17,16 @@ class ErrorCode(StrEnum):
     JOB_NOT_FOUND = "job_not_found"
     JOB_FINISHED = "job_finished"
     SERVICE_UNAVAILABLE = "service_unavailable"
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    TIER_LIMIT_EXCEEDED = "tier_limit_exceeded"
+    TENANT_CONCURRENCY_EXCEEDED = "tenant_concurrency_exceeded"
+    TENANT_RATE_EXCEEDED = "tenant_rate_exceeded"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    IDEMPOTENCY_CONFLICT = "idempotency_conflict"
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"
+    TIMEOUT = "timeout"
     # Execution (worker): the job ends failed, generation never ran on other weights
     ADAPTER_INTEGRITY = "adapter_integrity"
     ADAPTER_UNAVAILABLE = "adapter_unavailable"
@@ -26,6 +36,10 @@ class ErrorCode(StrEnum):
     ATTEMPTS_EXHAUSTED = "attempts_exhausted"
     CANCELLED = "cancelled"
     INTERNAL_ERROR = "internal_error"
+    # Tenants and keys (CLI)
+    TENANT_NOT_FOUND = "tenant_not_found"
+    TENANT_EXISTS = "tenant_exists"
+    KEY_NOT_FOUND = "key_not_found"
     # Publishing and registry management (CLI): nothing is uploaded or registered
     NAME_INVALID = "name_invalid"
     NAME_TAKEN = "name_taken"

@@ -8,8 +8,9 @@ Every change goes through ``ADVANCE``, a compare-and-set that
 - never resurrects a record that expired or was never created;
 - optionally requires the ``attempts`` counter to still hold the value the writer read, so two
   writers racing on one job (a gateway cancelling it, a worker claiming it) can't both win;
-- publishes the job id on ``JOB_EVENTS`` exactly when the job becomes terminal (waiters wake),
-  and on ``JOB_CANCELS`` when it becomes cancelled (the worker running it aborts it).
+- when the job becomes terminal, and only then, removes it from the admission ledgers
+  (``contracts.admission``) and publishes its id on ``JOB_EVENTS`` (waiters wake); on
+  ``JOB_CANCELS`` too when it becomes cancelled (the worker running it aborts it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from enum import IntEnum
 
 from contracts.jobs import TERMINAL_STATUSES, JobPublic, JobStatus
-from contracts.keys import JOB_CANCELS, JOB_EVENTS, job_key
+from contracts.keys import JOB_CANCELS, JOB_EVENTS, job_key, tenant_ledger_key, tier_ledger_key
 
 _TERMINAL_LUA = " or ".join(f"s == '{status.value}'" for status in sorted(TERMINAL_STATUSES))
 
@@ -32,7 +33,11 @@ end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'record', ARGV[2])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'attempts', ARGV[5]) end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
-if terminal(ARGV[1]) then redis.call('PUBLISH', KEYS[2], ARGV[6]) end
+if terminal(ARGV[1]) then
+  redis.call('ZREM', KEYS[4], ARGV[6])
+  redis.call('ZREM', KEYS[5], ARGV[6])
+  redis.call('PUBLISH', KEYS[2], ARGV[6])
+end
 if ARGV[1] == '{JobStatus.CANCELLED.value}' then redis.call('PUBLISH', KEYS[3], ARGV[6]) end
 return 1
 """
@@ -54,7 +59,13 @@ def advance_call(
 
     With ``expect_attempts``, the write only happens if the stored counter still equals it.
     """
-    keys = [job_key(job.id), JOB_EVENTS, JOB_CANCELS]
+    keys = [
+        job_key(job.id),
+        JOB_EVENTS,
+        JOB_CANCELS,
+        tier_ledger_key(job.tier.value),
+        tenant_ledger_key(job.tenant),
+    ]
     args: list[str | int] = [
         job.status.value,
         job.model_dump_json(),

@@ -61,11 +61,16 @@ class JobMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     job_id: str
+    tenant: str
     adapter: str
     revision: str
     base_model: BaseModelRef
     tier: Tier
     prompt: str
+    add_special_tokens: bool = Field(
+        default=True, description="false when the prompt is a rendered chat template"
+    )
+    stream: bool = Field(default=False, description="publish text deltas as they are produced")
     sampling: Sampling
     accepted_at: float = Field(description="gateway clock, unix seconds")
     deadline_at: float = Field(description="gateway clock, unix seconds")
@@ -148,9 +153,11 @@ class JobPublic(BaseModel):
 
     id: str
     status: JobStatus
+    tenant: str
     adapter: str
     channel: str | None = Field(default=None, description="channel the caller named, if any")
     revision: str
+    tier: Tier
     queue: str
     created_at: datetime
     deadline_at: datetime | None = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 PREFIX = "lorafleet"
 
 
@@ -51,3 +53,62 @@ def held_key(worker_id: str) -> str:
 
 WORKERS_INDEX = f"{PREFIX}:workers"
 """Set of worker hostnames that have announced themselves."""
+
+
+def tenant_key(name: str) -> str:
+    """JSON ``TenantRecord``."""
+    return f"{PREFIX}:tenant:{name}"
+
+
+TENANTS_INDEX = f"{PREFIX}:tenants"
+"""Set of every tenant name."""
+
+
+def api_key_key(hashed: str) -> str:
+    """JSON ``ApiKeyRecord`` stored under the SHA-256 of the key."""
+    return f"{PREFIX}:apikey:{hashed}"
+
+
+def tenant_keys_key(tenant: str) -> str:
+    """Hash ``key id -> key hash`` of a tenant's live keys (for listing and revocation)."""
+    return f"{PREFIX}:tenant-keys:{tenant}"
+
+
+def grants_key(tenant: str) -> str:
+    """Set of the aliases and channels a tenant may use (``*``: all of them)."""
+    return f"{PREFIX}:grants:{tenant}"
+
+
+def tier_ledger_key(tier: str) -> str:
+    """Sorted set ``job id -> expiry`` of the jobs a tier has admitted and not finished."""
+    return f"{PREFIX}:ledger:tier:{tier}"
+
+
+def tenant_ledger_key(tenant: str) -> str:
+    """Sorted set ``job id -> expiry`` of a tenant's admitted, unfinished jobs."""
+    return f"{PREFIX}:ledger:tenant:{tenant}"
+
+
+def rate_key(tenant: str) -> str:
+    """Hash ``{tokens, at}``: the tenant's admission token bucket."""
+    return f"{PREFIX}:rate:{tenant}"
+
+
+def idempotency_key(tenant: str, key: str) -> str:
+    """JSON ``{body, job}`` of one ``Idempotency-Key`` (the caller's key is hashed)."""
+    return f"{PREFIX}:idem:{tenant}:{hashlib.sha256(key.encode()).hexdigest()}"
+
+
+def base_card_key(digest: str) -> str:
+    """JSON ``BaseModelCard`` a worker writes for the base model it serves."""
+    return f"{PREFIX}:base:{digest}"
+
+
+def tokenizer_key(sha256: str) -> str:
+    """A ``tokenizer.json``, stored once by content hash."""
+    return f"{PREFIX}:tokenizer:{sha256}"
+
+
+def stream_key(job_id: str) -> str:
+    """Redis stream of a streaming job's text deltas, in order, per attempt."""
+    return f"{PREFIX}:stream:{job_id}"

@@ -35,3 +35,18 @@ class AdapterRecord(BaseModel):
     tier: Tier
     owner: str = "default"
     created_at: datetime
+
+
+class BaseModelCard(BaseModel):
+    """What the gateway needs to know of a base model to admit prompts for it, written by the
+    workers serving it: the context length their engines run with, and the tokenizer (stored
+    separately under its content hash) with its chat template."""
+
+    model_config = ConfigDict(frozen=True)
+
+    base_model: BaseModelRef
+    max_model_len: int = Field(gt=0)
+    tokenizer_sha256: str | None = Field(description="`tokenizer.json`; None if there is none")
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None

@@ -10,10 +10,13 @@ from redis.asyncio import Redis
 
 from contracts.redis_policy import async_options
 from contracts.telemetry import SENTRY_OPTIONS
+from gateway.body_limit import BodyLimit
 from gateway.config import GatewaySettings, get_settings
 from gateway.errors import install_error_handlers
+from gateway.models import BaseModels
 from gateway.queue import make_producer
-from gateway.routes import health, jobs
+from gateway.routes import health, jobs, openai
+from gateway.submit import Submitter
 from gateway.waiter import JobWaiter
 
 
@@ -37,6 +40,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             **async_options(),
         )
         app.state.producer = make_producer(settings.effective_broker_url, settings.redis_timeout_s)
+        app.state.models = BaseModels(app.state.redis)
+        app.state.submitter = Submitter(
+            app.state.redis, app.state.producer, app.state.models, settings
+        )
         # Subscriptions idle for long stretches: no socket timeout on this connection.
         events = Redis.from_url(
             settings.redis_url,
@@ -57,6 +64,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     app = FastAPI(title="lorafleet gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.include_router(health.router)
     app.include_router(jobs.router)
+    app.include_router(openai.router)
     return app

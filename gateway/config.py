@@ -7,6 +7,8 @@ from functools import lru_cache
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from contracts.queues import Tier
+
 
 class GatewaySettings(BaseSettings):
     """Every knob of the gateway. Env var = ``LORAFLEET_`` + field name, upper case."""
@@ -21,13 +23,49 @@ class GatewaySettings(BaseSettings):
         default=None, description="Celery broker URL; defaults to `redis_url`."
     )
     redis_timeout_s: float = Field(
-        default=2.0, gt=0, description="Bound on any single Redis call made by the gateway."
+        default=2.0,
+        gt=0,
+        description="Bound on the Redis and queue work of one request: past it the answer is "
+        "503 with `Retry-After`, and nothing is left admitted.",
     )
     job_ttl_s: int = Field(
         default=7 * 24 * 3600, gt=0, description="How long job records and results are kept."
     )
     job_deadline_s: float = Field(
         default=600.0, gt=0, description="Default and largest per-job deadline, from admission."
+    )
+    max_body_bytes: int = Field(
+        default=1024 * 1024, ge=1024, description="Largest request body; larger is 413."
+    )
+    max_admitted_hot: int = Field(
+        default=10_000, ge=1, description="Jobs the hot tier holds admitted and unfinished."
+    )
+    max_admitted_warm: int = Field(
+        default=5_000, ge=1, description="Jobs the warm tier holds admitted and unfinished."
+    )
+    max_admitted_cold: int = Field(
+        default=2_000, ge=1, description="Jobs the cold tier holds admitted and unfinished."
+    )
+    tenant_max_concurrent: int = Field(
+        default=1_000, ge=1, description="Default per-tenant limit on unfinished jobs."
+    )
+    tenant_rate_per_s: float = Field(
+        default=100.0, gt=0, description="Default per-tenant sustained admissions per second."
+    )
+    tenant_burst: int = Field(
+        default=500, ge=1, description="Default per-tenant admissions allowed at once."
+    )
+    admission_retry_after_s: int = Field(
+        default=1, ge=1, description="`Retry-After` of a 429 from a concurrency limit."
+    )
+    idempotency_ttl_s: int = Field(
+        default=24 * 3600, gt=0, description="How long an `Idempotency-Key` is remembered."
+    )
+    completion_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="How long `/v1/completions` and `/v1/chat/completions` wait for the job; "
+        "past it they answer 504 and the job keeps running (`GET /v1/jobs/{id}`).",
     )
     sentry_dsn: str | None = Field(
         default=None,
@@ -38,6 +76,14 @@ class GatewaySettings(BaseSettings):
     @property
     def effective_broker_url(self) -> str:
         return self.broker_url or self.redis_url
+
+    def tier_limit(self, tier: Tier) -> int:
+        limits = {
+            Tier.HOT: self.max_admitted_hot,
+            Tier.WARM: self.max_admitted_warm,
+            Tier.COLD: self.max_admitted_cold,
+        }
+        return limits[tier]
 
 
 @lru_cache(maxsize=1)

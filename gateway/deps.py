@@ -9,6 +9,8 @@ from fastapi import Depends, Request
 from redis.asyncio import Redis
 
 from gateway.config import GatewaySettings
+from gateway.models import BaseModels
+from gateway.submit import Submitter
 from gateway.waiter import JobWaiter
 
 
@@ -32,7 +34,19 @@ def _waiter(request: Request) -> JobWaiter:
     return waiter
 
 
+def _submitter(request: Request) -> Submitter:
+    submitter: Submitter = request.app.state.submitter
+    return submitter
+
+
+def _models(request: Request) -> BaseModels:
+    models: BaseModels = request.app.state.models
+    return models
+
+
 SettingsDep = Annotated[GatewaySettings, Depends(_settings)]
 RedisDep = Annotated[Redis, Depends(_redis)]
 ProducerDep = Annotated[Celery, Depends(_producer)]
 WaiterDep = Annotated[JobWaiter, Depends(_waiter)]
+SubmitterDep = Annotated[Submitter, Depends(_submitter)]
+ModelsDep = Annotated[BaseModels, Depends(_models)]

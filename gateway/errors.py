@@ -1,35 +1,104 @@
-"""Typed API errors: each carries an HTTP status, a stable code and a human sentence."""
+"""Typed API errors: each carries an HTTP status, a stable code and a human sentence.
+
+Every error answers ``{"error": {"code", "message", "type", "param", "details"?}}``: our
+stable ``code`` and sentence inside OpenAI's error envelope, so OpenAI clients raise their
+usual exception types and our own clients branch on ``code``.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from contracts.errors import ErrorBody, ErrorCode
 
+RETRY_AFTER_S = 2
+"""``Retry-After`` of a 503: long enough for a Redis failover or restart to finish."""
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    410: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+def error_type(status_code: int) -> str:
+    """OpenAI's error ``type`` for an HTTP status."""
+    return _TYPES.get(status_code, "server_error" if status_code >= 500 else "api_error")
+
+
+class ErrorEnvelopeBody(ErrorBody):
+    type: str
+    param: str | None = None
+
+
+class ErrorEnvelope(BaseModel):
+    """Body of every error answer."""
+
+    error: ErrorEnvelopeBody
+
 
 class ApiError(Exception):
-    """An error answered to the caller as ``{"error": {"code", "message"}}``."""
+    """An error answered to the caller in the error envelope."""
 
     def __init__(
-        self, status_code: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None
+        self,
+        status_code: int,
+        code: ErrorCode,
+        message: str,
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.code = code
         self.message = message
         self.headers = headers
+        self.param = param
 
 
-def _body(error: ErrorBody) -> dict[str, object]:
-    return {"error": error.model_dump(mode="json", exclude_none=True)}
+NOT_ADMITTED = "The job was not accepted: {what} ({exc}). Nothing was enqueued; retry."
+
+
+def unavailable(what: str, exc: BaseException, template: str = NOT_ADMITTED) -> ApiError:
+    """503 with ``Retry-After``: a dependency (Redis, the broker) did not answer in time."""
+    message = template.format(what=what, exc=type(exc).__name__)
+    return ApiError(
+        503, ErrorCode.SERVICE_UNAVAILABLE, message, headers={"Retry-After": str(RETRY_AFTER_S)}
+    )
+
+
+def error_response(
+    status_code: int,
+    body: ErrorBody,
+    headers: dict[str, str] | None = None,
+    param: str | None = None,
+) -> JSONResponse:
+    envelope = ErrorEnvelope(
+        error=ErrorEnvelopeBody(**body.model_dump(), type=error_type(status_code), param=param)
+    )
+    content = envelope.model_dump(mode="json")
+    if body.details is None:
+        del content["error"]["details"]
+    return JSONResponse(content, status_code=status_code, headers=headers)
 
 
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
     body = ErrorBody(code=exc.code, message=exc.message)
-    return JSONResponse(_body(body), status_code=exc.status_code, headers=exc.headers)
+    return error_response(exc.status_code, body, exc.headers, exc.param)
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
@@ -43,9 +112,73 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     if len(details) > 1:
         message += f" (and {len(details) - 1} more problem(s))"
     body = ErrorBody(code=ErrorCode.VALIDATION_ERROR, message=message, details=details)
-    return JSONResponse(_body(body), status_code=422)
+    return error_response(422, body, param=str(first["field"]))
 
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+
+
+_STATUS = {
+    ErrorCode.VALIDATION_ERROR: 422,
+    ErrorCode.PROMPT_TOO_LONG: 422,
+    ErrorCode.UNSUPPORTED_PARAMETER: 422,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.ADAPTER_NOT_FOUND: 404,
+    ErrorCode.JOB_NOT_FOUND: 404,
+    ErrorCode.ADAPTER_RETIRED: 410,
+    ErrorCode.JOB_FINISHED: 409,
+    ErrorCode.IDEMPOTENCY_CONFLICT: 409,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.TIER_LIMIT_EXCEEDED: 429,
+    ErrorCode.TENANT_CONCURRENCY_EXCEEDED: 429,
+    ErrorCode.TENANT_RATE_EXCEEDED: 429,
+    ErrorCode.SERVICE_UNAVAILABLE: 503,
+    ErrorCode.TIMEOUT: 504,
+    # A job that failed after admission, answered by the endpoints that wait for it.
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.CANCELLED: 409,
+    ErrorCode.ADAPTER_INTEGRITY: 500,
+    ErrorCode.ADAPTER_UNAVAILABLE: 500,
+    ErrorCode.BASE_MODEL_MISMATCH: 500,
+    ErrorCode.ENGINE_ERROR: 500,
+    ErrorCode.ATTEMPTS_EXHAUSTED: 500,
+    ErrorCode.INTERNAL_ERROR: 500,
+}
+
+AUTHENTICATED = (
+    ErrorCode.UNAUTHORIZED,
+    ErrorCode.VALIDATION_ERROR,
+    ErrorCode.PAYLOAD_TOO_LARGE,
+    ErrorCode.SERVICE_UNAVAILABLE,
+)
+"""Codes any authenticated endpoint can answer."""
+
+ADMISSION = (
+    *AUTHENTICATED,
+    ErrorCode.ADAPTER_NOT_FOUND,
+    ErrorCode.ADAPTER_RETIRED,
+    ErrorCode.PROMPT_TOO_LONG,
+    ErrorCode.IDEMPOTENCY_CONFLICT,
+    ErrorCode.TIER_LIMIT_EXCEEDED,
+    ErrorCode.TENANT_CONCURRENCY_EXCEEDED,
+    ErrorCode.TENANT_RATE_EXCEEDED,
+)
+"""Codes of every endpoint that admits a job."""
+
+
+def responses(*codes: ErrorCode) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` documenting ``codes``, grouped by HTTP status; each status also
+    lists its codes machine-readably under ``x-error-codes``."""
+    by_status: dict[int, list[ErrorCode]] = {}
+    for code in dict.fromkeys(codes):
+        by_status.setdefault(_STATUS[code], []).append(code)
+    return {
+        status: {
+            "model": ErrorEnvelope,
+            "description": "Error codes: " + ", ".join(f"`{code.value}`" for code in grouped),
+            "x-error-codes": [code.value for code in grouped],
+        }
+        for status, grouped in sorted(by_status.items())
+    }

@@ -1,4 +1,6 @@
-"""Job records in Redis, gateway side: create on admission, read for status, cancel."""
+"""Job records in Redis, gateway side: read for status, cancel. (Admission writes them:
+``gateway.submit``.) A tenant only ever sees its own jobs: another tenant's job reads as
+missing, through the same single read."""
 
 from __future__ import annotations
 
@@ -12,31 +14,15 @@ from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import job_key
 
 
-async def create_job(redis: Redis, job: JobPublic, ttl_s: int) -> None:
-    """Store a new job record; the worker only ever advances it from here."""
-    key = job_key(job.id)
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(
-            key,
-            mapping={"status": job.status.value, "record": job.model_dump_json(), "attempts": 0},
-        )
-        pipe.expire(key, ttl_s)
-        await pipe.execute()
-
-
-async def delete_job(redis: Redis, job_id: str) -> None:
-    """Remove a record whose enqueue failed, so no trace of a refused job remains."""
-    await redis.delete(job_key(job_id))
-
-
-async def get_job(redis: Redis, job_id: str) -> JobPublic | None:
+async def get_job(redis: Redis, job_id: str, tenant: str) -> JobPublic | None:
     raw = await redis.hget(job_key(job_id), "record")
     if raw is None:
         return None
-    return JobPublic.model_validate_json(raw)
+    job = JobPublic.model_validate_json(raw)
+    return job if job.tenant == tenant else None
 
 
-async def cancel_job(redis: Redis, job_id: str, ttl_s: int) -> JobPublic | None:
+async def cancel_job(redis: Redis, job_id: str, tenant: str, ttl_s: int) -> JobPublic | None:
     """Move a queued or running job to ``cancelled``; the job as it is afterwards.
 
     The write is a compare-and-set on the attempts counter: if a worker claimed the job
@@ -46,7 +32,7 @@ async def cancel_job(redis: Redis, job_id: str, ttl_s: int) -> JobPublic | None:
     """
     advance = redis.register_script(ADVANCE)
     while True:
-        job = await get_job(redis, job_id)
+        job = await get_job(redis, job_id, tenant)
         if job is None or job.status.terminal:
             return job
         cancelled = job.model_copy(

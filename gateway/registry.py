@@ -1,4 +1,5 @@
-"""Resolve what a caller named (alias or channel) to one immutable registry record."""
+"""Resolve what a caller named (alias or channel) to one immutable registry record, if the
+caller's tenant is granted that name."""
 
 from __future__ import annotations
 
@@ -6,8 +7,16 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from contracts.keys import RETIRED_INDEX, adapter_key, channel_key
+from contracts.keys import (
+    ADAPTERS_INDEX,
+    CHANNELS_INDEX,
+    RETIRED_INDEX,
+    adapter_key,
+    channel_key,
+    grants_key,
+)
 from contracts.registry import AdapterRecord
+from contracts.tenants import ALL_ADAPTERS
 
 
 @dataclass(frozen=True)
@@ -19,22 +28,58 @@ class Resolved:
     retired: bool
 
 
-async def resolve(redis: Redis, name: str) -> Resolved | None:
-    """Follow a channel (once) to its alias, then read that alias's record; ``None`` if absent.
+async def resolve(redis: Redis, name: str, tenant: str) -> Resolved | None:
+    """Follow a channel (once) to its alias, then read that alias's record; ``None`` if absent
+    or not granted to ``tenant`` (a caller can't tell the two apart, not even by timing: both
+    paths make the same two round trips).
 
-    The channel is read once: the job keeps the revision resolved here even if the channel
-    moves while it is queued or running.
+    The grant is on the name the caller used: granting a channel lets the tenant follow it
+    wherever it points, without granting the aliases behind it by name. The channel is read
+    once: the job keeps the revision resolved here even if the channel moves later.
     """
-    target = await redis.get(channel_key(name))
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.get(channel_key(name))
+        pipe.smismember(grants_key(tenant), [name, ALL_ADAPTERS])
+        target, grants = await pipe.execute()
     alias = str(target) if target is not None else name
     async with redis.pipeline(transaction=False) as pipe:
         pipe.get(adapter_key(alias))
         pipe.sismember(RETIRED_INDEX, alias)
         raw, retired = await pipe.execute()
-    if raw is None:
+    if raw is None or not any(grants):
         return None
     return Resolved(
         record=AdapterRecord.model_validate_json(raw),
         channel=name if target is not None else None,
         retired=bool(retired),
     )
+
+
+async def granted_models(redis: Redis, tenant: str) -> list[tuple[str, AdapterRecord]]:
+    """Every alias and channel ``tenant`` may use now (retired aliases excluded), sorted by
+    name, each with the record it resolves to."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.smembers(grants_key(tenant))
+        pipe.smembers(ADAPTERS_INDEX)
+        pipe.smembers(CHANNELS_INDEX)
+        pipe.smembers(RETIRED_INDEX)
+        grants, aliases, channels, retired = await pipe.execute()
+    live = (set(aliases) - set(retired)) | set(channels)
+    names = sorted(live if ALL_ADAPTERS in grants else live & set(grants))
+    async with redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.get(channel_key(name))
+        targets = await pipe.execute()
+    aliases_of = [
+        str(target) if target is not None else name
+        for name, target in zip(names, targets, strict=True)
+    ]
+    async with redis.pipeline(transaction=False) as pipe:
+        for alias in aliases_of:
+            pipe.get(adapter_key(alias))
+        raws = await pipe.execute()
+    return [
+        (name, AdapterRecord.model_validate_json(raw))
+        for name, raw in zip(names, raws, strict=True)
+        if raw is not None
+    ]

@@ -16,7 +16,9 @@ from collections.abc import AsyncIterator
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from contracts.jobs import JobPublic
 from contracts.keys import JOB_EVENTS
+from gateway import job_store
 
 log = logging.getLogger(__name__)
 
@@ -66,3 +68,17 @@ class JobWaiter:
         """Until ``event`` is set or ``min(timeout_s, recheck_s)`` passed."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), min(timeout_s, self._recheck_s))
+
+    async def wait(
+        self, redis: Redis, job_id: str, tenant: str, timeout_s: float
+    ) -> JobPublic | None:
+        """The job once terminal, or as it is after ``timeout_s``; ``None`` if there is no
+        such job for ``tenant``. Redis errors propagate."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        async with self.watching(job_id) as finished:
+            while True:
+                job = await job_store.get_job(redis, job_id, tenant)
+                remaining = deadline - asyncio.get_running_loop().time()
+                if job is None or job.status.terminal or remaining <= 0:
+                    return job
+                await self.sleep(finished, remaining)

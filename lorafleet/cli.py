@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -19,13 +19,22 @@ from lorafleet.registry import Registry, RegistryError
 from lorafleet.settings import LocalSettings
 from lorafleet.validation import ValidationFailure
 
+if TYPE_CHECKING:
+    from lorafleet.tenants import Tenants
+
 app = typer.Typer(help="lorafleet: serverless multi-LoRA inference.", no_args_is_help=True)
 adapters_app = typer.Typer(help="Publish and inspect adapters.", no_args_is_help=True)
 channels_app = typer.Typer(help="Point channels at adapter aliases.", no_args_is_help=True)
 stack_app = typer.Typer(help="Run the local stack.", no_args_is_help=True)
+tenants_app = typer.Typer(help="Tenants and their admission limits.", no_args_is_help=True)
+keys_app = typer.Typer(help="A tenant's API keys.", no_args_is_help=True)
+grants_app = typer.Typer(help="Which adapters a tenant may use.", no_args_is_help=True)
 app.add_typer(adapters_app, name="adapters")
 app.add_typer(channels_app, name="channels")
 app.add_typer(stack_app, name="stack")
+app.add_typer(tenants_app, name="tenants")
+app.add_typer(keys_app, name="keys")
+app.add_typer(grants_app, name="grants")
 # Pipes and CI logs get a table wide enough to read; terminals keep their own width.
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -174,6 +183,169 @@ def channels_show(name: Annotated[str | None, typer.Argument()] = None) -> None:
         console.print(f"[red]{ErrorCode.CHANNEL_NOT_FOUND}[/]: no channel named {name!r}")
         raise typer.Exit(1)
     console.print(f"{name} -> {target}")
+
+
+def _tenants(settings: LocalSettings) -> Tenants:
+    from redis import Redis
+
+    from lorafleet.tenants import Tenants
+
+    redis_url, _, _ = _connections(settings)
+    return Tenants(Redis.from_url(redis_url, decode_responses=True))
+
+
+MaxConcurrent = Annotated[
+    int | None, typer.Option(min=1, help="Unfinished jobs at once (default: the gateway's).")
+]
+RatePerS = Annotated[
+    float | None, typer.Option(min=0.001, help="Sustained admissions/s (default: the gateway's).")
+]
+Burst = Annotated[
+    int | None, typer.Option(min=1, help="Admissions at once (default: the gateway's).")
+]
+
+
+def _show_key(key: str) -> None:
+    console.print(key, soft_wrap=True, highlight=False)
+    console.print("[yellow]store it now: this key is never shown again[/]", highlight=False)
+
+
+@tenants_app.command("create")
+def tenants_create(
+    name: Annotated[str, typer.Argument()],
+    max_concurrent: MaxConcurrent = None,
+    rate_per_s: RatePerS = None,
+    burst: Burst = None,
+) -> None:
+    """Create tenant NAME and print its first API key (shown once; only a hash is kept)."""
+    from contracts.tenants import TenantLimits
+
+    limits = TenantLimits(max_concurrent=max_concurrent, rate_per_s=rate_per_s, burst=burst)
+    try:
+        _, key = _tenants(_settings()).create(name, limits)
+    except RegistryError as exc:
+        raise _refused(exc) from exc
+    _show_key(key)
+
+
+@tenants_app.command("list")
+def tenants_list() -> None:
+    """Every tenant with its own limits (blank: the gateway's default)."""
+    for record in _tenants(_settings()).all():
+        limits = record.limits
+        console.print(
+            f"{record.name}\tmax_concurrent {limits.max_concurrent or '-'}\t"
+            f"rate_per_s {limits.rate_per_s or '-'}\tburst {limits.burst or '-'}",
+            highlight=False,
+        )
+
+
+@tenants_app.command("limits")
+def tenants_limits(
+    name: Annotated[str, typer.Argument()],
+    max_concurrent: MaxConcurrent = None,
+    rate_per_s: RatePerS = None,
+    burst: Burst = None,
+) -> None:
+    """Replace NAME's limits (options left out go back to the gateway's defaults)."""
+    from contracts.tenants import TenantLimits
+
+    limits = TenantLimits(max_concurrent=max_concurrent, rate_per_s=rate_per_s, burst=burst)
+    try:
+        record = _tenants(_settings()).set_limits(name, limits)
+    except RegistryError as exc:
+        raise _refused(exc) from exc
+    console.print_json(record.limits.model_dump_json())
+
+
+@keys_app.command("create")
+def keys_create(tenant: Annotated[str, typer.Argument()]) -> None:
+    """Issue another API key for TENANT (shown once)."""
+    try:
+        _, key = _tenants(_settings()).create_key(tenant)
+    except RegistryError as exc:
+        raise _refused(exc) from exc
+    _show_key(key)
+
+
+@keys_app.command("list")
+def keys_list(tenant: Annotated[str, typer.Argument()]) -> None:
+    """TENANT's live keys: id, public prefix, created, expiry (rotated keys in their grace)."""
+    try:
+        keys = _tenants(_settings()).keys(tenant)
+    except RegistryError as exc:
+        raise _refused(exc) from exc
+    for key in keys:
+        expires = key.expires_at.isoformat() if key.expires_at else "-"
+        console.print(
+            f"{key.key_id}\t{key.prefix}\tcreated {key.created_at.isoformat()}\t"
+            f"expires {expires}",
+            highlight=False,
+        )
+
+
+@keys_app.command("revoke")
+def keys_revoke(
+    tenant: Annotated[str, typer.Argument()], key_id: Annotated[str, typer.Argument()]
+) -> None:
+    """Revoke TENANT's key KEY_ID: refused from the gateway's next request on."""
+    try:
+        _tenants(_settings()).revoke(tenant, key_id)
+    except RegistryError as exc:
+        raise _refused(exc) from exc
+    console.print(f"revoked {key_id}")
+
+
+@keys_app.command("rotate")
+def keys_rotate(
+    tenant: Annotated[str, typer.Argument()],
+    key_id: Annotated[str, typer.Argument()],
+    grace_s: Annotated[
+        int, typer.Option(min=0, help="Seconds the old key keeps working (0: ends now).")
+    ] = 0,
+) -> None:
+    """Issue a new key for TENANT replacing KEY_ID (shown once)."""
+    try:
+        _, key = _tenants(_settings()).rotate(tenant, key_id, grace_s)
+    except RegistryError as exc:
+        raise _refused(exc) from exc
+    _show_key(key)
+
+
+@grants_app.command("add")
+def grants_add(
+    tenant: Annotated[str, typer.Argument()],
+    name: Annotated[str, typer.Argument(help="An alias, a channel, or '*' for every adapter.")],
+) -> None:
+    """Let TENANT use adapter alias or channel NAME."""
+    try:
+        _tenants(_settings()).grant(tenant, name)
+    except RegistryError as exc:
+        raise _refused(exc) from exc
+    console.print(f"{tenant} may use {name}")
+
+
+@grants_app.command("remove")
+def grants_remove(
+    tenant: Annotated[str, typer.Argument()], name: Annotated[str, typer.Argument()]
+) -> None:
+    """Stop TENANT using NAME for new jobs (admitted jobs still run)."""
+    try:
+        removed = _tenants(_settings()).revoke_grant(tenant, name)
+    except RegistryError as exc:
+        raise _refused(exc) from exc
+    console.print(f"{tenant} may no longer use {name}" if removed else f"{tenant} had no {name}")
+
+
+@grants_app.command("list")
+def grants_list(tenant: Annotated[str, typer.Argument()]) -> None:
+    """The names TENANT is granted."""
+    try:
+        grants = _tenants(_settings()).grants(tenant)
+    except RegistryError as exc:
+        raise _refused(exc) from exc
+    for name in grants:
+        console.print(name, highlight=False)
 
 
 @stack_app.command("up")

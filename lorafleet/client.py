@@ -12,6 +12,10 @@ from contracts.jobs import JobAccepted, JobPublic
 LONG_POLL_S = 20.0
 
 
+def auth_headers(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"}
+
+
 class GatewayError(Exception):
     def __init__(self, status_code: int, body: dict[str, Any]) -> None:
         error = body.get("error", {})

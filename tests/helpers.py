@@ -37,13 +37,23 @@ def processes_with_env(marker: str) -> list[int]:
     return found
 
 
+def async_client(api: httpx.Client, timeout: float = 30) -> httpx.AsyncClient:
+    """An async client of ``api``'s gateway carrying its ``Authorization`` header (for
+    ``JobsClient``)."""
+    return httpx.AsyncClient(
+        base_url=api.base_url,
+        headers={"Authorization": api.headers["Authorization"]},
+        timeout=timeout,
+    )
+
+
 def run_jobs(
-    gateway_url: str, work: list[tuple[str, str]], sampling: dict[str, Any]
+    api: httpx.Client, work: list[tuple[str, str]], sampling: dict[str, Any]
 ) -> list[JobPublic]:
     """Submit every (adapter, prompt) first, then wait for all: they run concurrently."""
 
     async def go() -> list[JobPublic]:
-        async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as http:
+        async with async_client(api) as http:
             client = JobsClient(http)
             accepted = [await client.submit(name, prompt, sampling) for name, prompt in work]
             return list(await asyncio.gather(*(client.wait(job.id, 300) for job in accepted)))
@@ -72,20 +82,18 @@ def hot_alias(published: dict[str, AdapterRecord]) -> str:
     return next(r.alias for r in published.values() if r.tier == Tier.HOT)
 
 
-def submit_job(gateway_url: str, adapter: str, **extra: Any) -> dict[str, Any]:
+def submit_job(api: httpx.Client, adapter: str, **extra: Any) -> dict[str, Any]:
     """POST a long job (``extra`` overrides body fields); asserts the 202."""
     body = {"adapter": adapter, "prompt": "Summarise the conversation", "sampling": LONG_SAMPLING}
-    response = httpx.post(f"{gateway_url}/v1/jobs", json={**body, **extra})
+    response = api.post("/v1/jobs", json={**body, **extra})
     assert response.status_code == 202, response.text
     accepted: dict[str, Any] = response.json()
     return accepted
 
 
-def wait_job(gateway_url: str, job_id: str) -> dict[str, Any]:
+def wait_job(api: httpx.Client, job_id: str) -> dict[str, Any]:
     """The job once terminal (long-poll)."""
-    job: dict[str, Any] = httpx.get(
-        f"{gateway_url}/v1/jobs/{job_id}", params={"wait_s": 60}, timeout=90
-    ).json()
+    job: dict[str, Any] = api.get(f"/v1/jobs/{job_id}", params={"wait_s": 60}, timeout=90).json()
     return job
 
 

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from vllm import SamplingParams
 from vllm.lora.request import LoRARequest
@@ -33,6 +34,7 @@ from worker.engine import ENGINE_NAME, ENGINE_VERSION, EngineHost
 from worker.errors import AdapterIntegrityError, JobFailure
 from worker.inflight import Running
 from worker.residency import EngineAdapters, Resident
+from worker.streams import DeltaPublisher
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ def _check_deadline(message: JobMessage, doing: str) -> None:
         )
 
 
-def _sampling_params(sampling: Sampling) -> SamplingParams:
+def _sampling_params(sampling: Sampling, stream: bool) -> SamplingParams:
     return SamplingParams(
         max_tokens=sampling.max_tokens,
         temperature=sampling.temperature,
@@ -57,8 +59,9 @@ def _sampling_params(sampling: Sampling) -> SamplingParams:
         seed=sampling.seed,
         stop=sampling.stop or None,
         ignore_eos=sampling.ignore_eos,
-        # One output per request: per-token deltas cost Python time on every engine step.
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        # One output per request unless the caller streams: per-token deltas cost Python
+        # time on every engine step.
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
 
 
@@ -77,8 +80,10 @@ class JobRunner:
         adapters: EngineAdapters,
         base_model: BaseModelRef,
         hostname: str,
+        deltas: DeltaPublisher,
     ) -> None:
         self._host = host
+        self._deltas = deltas
         self._cache = cache
         self._adapters = adapters
         self._base_model = base_model
@@ -96,7 +101,9 @@ class JobRunner:
         with self._aborts_lock:
             self._aborts += 1
 
-    def run(self, message: JobMessage, running: Running) -> tuple[JobResult, ResultMetadata]:
+    def run(
+        self, message: JobMessage, running: Running, attempt: int
+    ) -> tuple[JobResult, ResultMetadata]:
         started = time.time()
         timings = LoadTimings()
         residency: Residency = "unknown"
@@ -124,7 +131,7 @@ class JobRunner:
                 with self._adapters.in_flight(resident.request):
                     running.check()
                     _check_deadline(message, "waited for its adapter")
-                    generation = self._generate_unless_stopped(message, resident, running)
+                    generation = self._generate_unless_stopped(message, resident, running, attempt)
         except JobFailure as failure:
             failure.metadata = self._metadata(message, started, residency, timings, None, None)
             raise
@@ -158,9 +165,9 @@ class JobRunner:
         )
 
     def _generate_unless_stopped(
-        self, message: JobMessage, resident: Resident, running: Running
+        self, message: JobMessage, resident: Resident, running: Running, attempt: int
     ) -> Generation:
-        future = self._host.submit(self._generate_by_deadline(message, resident))
+        future = self._host.submit(self._generate_by_deadline(message, resident, attempt))
         with running.generating(future):
             try:
                 return future.result()
@@ -169,14 +176,15 @@ class JobRunner:
                 running.check()  # raises JobStopped: the only reason this future is cancelled
                 raise
 
-    async def _generate_by_deadline(self, message: JobMessage, resident: Resident) -> Generation:
+    async def _generate_by_deadline(
+        self, message: JobMessage, resident: Resident, attempt: int
+    ) -> Generation:
         """Generate, but no later than the job's deadline: past it the engine request is
         aborted (cancelling ``generate`` aborts it in vLLM) and its batch slot freed."""
         remaining_s = message.deadline_at - time.time()
         try:
             return await asyncio.wait_for(
-                self._generate(message.job_id, message.prompt, message.sampling, resident.request),
-                timeout=remaining_s,
+                self._generate(message, resident.request, attempt), timeout=remaining_s
             )
         except TimeoutError:
             self._aborted()
@@ -185,34 +193,43 @@ class JobRunner:
                 "The job reached its deadline while generating; the generation was aborted.",
             ) from None
 
-    async def _generate(
-        self, job_id: str, prompt: str, sampling: Sampling, lora: LoRARequest
-    ) -> Generation:
+    async def _generate(self, message: JobMessage, lora: LoRARequest, attempt: int) -> Generation:
         # Unique per attempt: a redelivered job must not collide with a stale engine request.
-        request_id = f"{job_id}-{uuid.uuid4().hex[:8]}"
+        request_id = f"{message.job_id}-{uuid.uuid4().hex[:8]}"
+        options: dict[str, Any] = {}
+        if not message.add_special_tokens:
+            # A rendered chat template already holds the special tokens it needs.
+            options["tokenization_kwargs"] = {"add_special_tokens": False}
+        params = _sampling_params(message.sampling, message.stream)
         final = None
+        prompt_token_ids: list[int] = []
+        token_ids: list[int] = []
+        text: list[str] = []
         async for output in self._host.engine.generate(
-            {"prompt": prompt}, _sampling_params(sampling), request_id, lora_request=lora
+            {"prompt": message.prompt}, params, request_id, lora_request=lora, **options
         ):
             final = output
+            prompt_token_ids = list(output.prompt_token_ids or prompt_token_ids)
+            completion = output.outputs[0]
+            token_ids.extend(completion.token_ids)
+            text.append(completion.text)
+            if message.stream and completion.text:
+                await self._deltas.publish(message.job_id, attempt, completion.text)
         if final is None:
             raise RuntimeError(f"the engine returned no output for {request_id}")
-        completion = final.outputs[0]
-        prompt_tokens = len(final.prompt_token_ids or ())
-        token_ids = list(completion.token_ids)
         # The engine's own measurement (arrival to first token), not a guess from here.
         stats = final.metrics
         ttft = None
         if stats is not None and getattr(stats, "first_token_latency", 0.0) > 0:
             ttft = round(stats.first_token_latency * 1000, 3)
         result = JobResult(
-            text=completion.text,
+            text="".join(text),
             token_ids=token_ids,
-            finish_reason=completion.finish_reason,
+            finish_reason=final.outputs[0].finish_reason,
             usage=Usage(
-                prompt_tokens=prompt_tokens,
+                prompt_tokens=len(prompt_token_ids),
                 completion_tokens=len(token_ids),
-                total_tokens=prompt_tokens + len(token_ids),
+                total_tokens=len(prompt_token_ids) + len(token_ids),
             ),
         )
         return Generation(result=result, ttft_ms=ttft)

@@ -21,6 +21,7 @@ from contracts.jobs import LoadTimings
 from contracts.keys import WORKERS_INDEX, held_key, worker_key
 from contracts.redis_policy import sync_options
 from contracts.registry import AdapterRecord, BaseModelRef
+from worker import model_card
 from worker.adapter_cache import AdapterCache
 from worker.background import Background
 from worker.cancels import CancelWatcher
@@ -33,6 +34,7 @@ from worker.reaper import Reaper
 from worker.registry import preload_sets
 from worker.residency import EngineAdapters
 from worker.runner import JobRunner
+from worker.streams import DeltaPublisher
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,12 @@ class WorkerRuntime:
         self.host = EngineHost(EngineOptions.from_settings(settings))
         self.adapters = EngineAdapters(self.host, self.cache, settings.max_loras)
         self.runner = JobRunner(
-            self.host, self.cache, self.adapters, self.base_model, self.hostname
+            self.host,
+            self.cache,
+            self.adapters,
+            self.base_model,
+            self.hostname,
+            DeltaPublisher(self.redis),
         )
         self.inflight = InFlight()
         self._deliveries: dict[str, str] = {}
@@ -113,6 +120,8 @@ class WorkerRuntime:
         log.info("engine ready in %.1f s", time.perf_counter() - started)
         if self.settings.colocate_engine_core:
             log.info("engine processes bound to cores %s", self.host.colocate_engine_core())
+        card, tokenizer_json = model_card.describe(self.host.engine, self.base_model)
+        model_card.publish(self.redis, card, tokenizer_json)
         self._preload(hot, warm)
 
     def announce(self) -> None:

@@ -69,7 +69,7 @@ def _run(payload: dict[str, Any]) -> None:
     running = claim.job
     with rt.inflight.track(message.job_id) as handle:
         try:
-            result, metadata = rt.runner.run(message, handle)
+            result, metadata = rt.runner.run(message, handle, running.attempts)
         except JobStopped as stopped:
             if stopped.reason == StopReason.CANCELLED:
                 log.info("job %s cancelled while running", message.job_id)

@@ -10,6 +10,7 @@ from redis import Redis
 from contracts.job_records import ADVANCE, Advance, advance_call
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import JOB_CANCELS, JOB_EVENTS, job_key
+from contracts.queues import Tier
 
 
 def _job(status: JobStatus = JobStatus.QUEUED, attempts: int = 0) -> JobPublic:
@@ -18,6 +19,8 @@ def _job(status: JobStatus = JobStatus.QUEUED, attempts: int = 0) -> JobPublic:
         status=status,
         adapter="a",
         revision="sha256:" + "0" * 64,
+        tenant="t",
+        tier=Tier.HOT,
         queue="lorafleet.hot",
         created_at=datetime.now(tz=UTC),
         attempts=attempts,

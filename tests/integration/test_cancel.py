@@ -25,14 +25,14 @@ from tests.helpers import (
 
 
 def test_running_job_is_cancelled_and_aborted_in_the_engine(
-    stack: LocalStack, redis: Redis, published: dict[str, AdapterRecord]
+    api: httpx.Client, redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
     aborted_before = fresh_heartbeat(redis)["engine_aborted_requests"]
     # A batch, so each long job takes seconds: the cancellation lands mid-generation.
-    batch = [submit_job(stack.gateway_url, hot_alias(published))["id"] for _ in range(12)]
+    batch = [submit_job(api, hot_alias(published))["id"] for _ in range(12)]
     target = batch[-1]
     job_when(redis, target, lambda job: job.status == "running")
-    response = httpx.delete(f"{stack.gateway_url}/v1/jobs/{target}")
+    response = api.delete(f"/v1/jobs/{target}")
     assert response.status_code == 200, response.text
     cancelled = response.json()
     assert cancelled["status"] == "cancelled"
@@ -40,38 +40,38 @@ def test_running_job_is_cancelled_and_aborted_in_the_engine(
     assert "while running" in cancelled["error"]["message"]
 
     for job_id in batch[:-1]:
-        assert wait_job(stack.gateway_url, job_id)["status"] == "succeeded"
+        assert wait_job(api, job_id)["status"] == "succeeded"
     # The worker aborted the engine request (its generate call was cancelled), the engine
     # holds nothing, and the worker wrote nothing over the cancellation.
     assert_engine_drains(redis)
     beat = worker_heartbeat(redis)
     assert beat["engine_aborted_requests"] == aborted_before + 1
     assert beat["jobs_running"] == 0
-    job = wait_job(stack.gateway_url, target)
+    job = wait_job(api, target)
     assert job["status"] == "cancelled"
     assert job["result"] is None
     assert job["attempts"] == 1
 
     # Cancelling again is answered the same.
-    again = httpx.delete(f"{stack.gateway_url}/v1/jobs/{target}")
+    again = api.delete(f"/v1/jobs/{target}")
     assert again.status_code == 200
     assert again.json()["status"] == "cancelled"
 
 
 def test_finished_job_is_not_cancelled(
-    stack: LocalStack, published: dict[str, AdapterRecord]
+    api: httpx.Client, published: dict[str, AdapterRecord]
 ) -> None:
-    accepted = submit_job(stack.gateway_url, hot_alias(published), sampling={"max_tokens": 2})
-    assert wait_job(stack.gateway_url, accepted["id"])["status"] == "succeeded"
-    response = httpx.delete(f"{stack.gateway_url}/v1/jobs/{accepted['id']}")
+    accepted = submit_job(api, hot_alias(published), sampling={"max_tokens": 2})
+    assert wait_job(api, accepted["id"])["status"] == "succeeded"
+    response = api.delete(f"/v1/jobs/{accepted['id']}")
     assert response.status_code == 409
     assert response.json()["error"]["code"] == "job_finished"
     assert "succeeded" in response.json()["error"]["message"]
-    assert wait_job(stack.gateway_url, accepted["id"])["status"] == "succeeded"
+    assert wait_job(api, accepted["id"])["status"] == "succeeded"
 
 
-def test_unknown_job_cannot_be_cancelled(stack: LocalStack, redis: Redis) -> None:
-    response = httpx.delete(f"{stack.gateway_url}/v1/jobs/{'0' * 32}")
+def test_unknown_job_cannot_be_cancelled(api: httpx.Client, redis: Redis) -> None:
+    response = api.delete(f"/v1/jobs/{'0' * 32}")
     assert response.status_code == 404
     assert response.json()["error"]["code"] == "job_not_found"
     assert not redis.exists(job_key("0" * 32))
@@ -79,24 +79,24 @@ def test_unknown_job_cannot_be_cancelled(stack: LocalStack, redis: Redis) -> Non
 
 @pytest.mark.pauses_consumer
 def test_queued_job_that_was_cancelled_never_runs(
-    stack: LocalStack, redis: Redis, published: dict[str, AdapterRecord]
+    stack: LocalStack, api: httpx.Client, redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
     queue = queue_for(Tier.HOT)
     with paused(stack, queue):
-        doomed = submit_job(stack.gateway_url, hot_alias(published))
-        response = httpx.delete(f"{stack.gateway_url}/v1/jobs/{doomed['id']}")
+        doomed = submit_job(api, hot_alias(published))
+        response = api.delete(f"/v1/jobs/{doomed['id']}")
         assert response.status_code == 200, response.text
         assert response.json()["status"] == "cancelled"
         assert "while queued" in response.json()["error"]["message"]
         assert redis.llen(queue) == 1  # still in Redis: the worker must skip it
-        follower = submit_job(stack.gateway_url, hot_alias(published), sampling={"max_tokens": 2})
+        follower = submit_job(api, hot_alias(published), sampling={"max_tokens": 2})
     # Both messages are consumed once the queue resumes; the cancelled one is never started.
-    assert wait_job(stack.gateway_url, follower["id"])["status"] == "succeeded"
+    assert wait_job(api, follower["id"])["status"] == "succeeded"
     deadline = time.monotonic() + 30
     while redis.llen(queue):
         assert time.monotonic() < deadline, "the cancelled job's message was never consumed"
         time.sleep(0.1)
-    job = wait_job(stack.gateway_url, doomed["id"])
+    job = wait_job(api, doomed["id"])
     assert job["status"] == "cancelled"
     assert job["attempts"] == 0
     assert job["started_at"] is None

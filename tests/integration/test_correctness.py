@@ -12,7 +12,7 @@ from contracts.jobs import JobPublic, JobStatus
 from contracts.registry import AdapterRecord
 from lorafleet.client import JobsClient
 from lorafleet.fixtures import AdapterSpec
-from tests.helpers import run_jobs
+from tests.helpers import async_client, run_jobs
 from tests.oracle import PeftOracle
 
 PROMPTS = ["Extract the total amount", "Translate the paragraph into", "The quick brown fox"]
@@ -29,7 +29,7 @@ def _one_per_kind(specs: list[AdapterSpec]) -> list[AdapterSpec]:
 
 
 def test_jobs_match_peft_reference_and_differ_from_base(
-    gateway_url: str,
+    api: httpx.Client,
     specs: list[AdapterSpec],
     oracle: PeftOracle,
     published: dict[str, AdapterRecord],
@@ -42,7 +42,7 @@ def test_jobs_match_peft_reference_and_differ_from_base(
     # One adapter at a time: each batch holds a single adapter.
     jobs = []
     for spec in kinds:
-        jobs += run_jobs(gateway_url, [w for w in work if w[0] == spec.name], GREEDY)
+        jobs += run_jobs(api, [w for w in work if w[0] == spec.name], GREEDY)
 
     for (alias, prompt), job in zip(work, jobs, strict=True):
         assert job.status == JobStatus.SUCCEEDED, job.error
@@ -56,7 +56,7 @@ def test_jobs_match_peft_reference_and_differ_from_base(
 
 
 def test_mixed_adapter_batch_returns_each_adapters_own_tokens(
-    gateway_url: str,
+    api: httpx.Client,
     specs: list[AdapterSpec],
     oracle: PeftOracle,
     published: dict[str, AdapterRecord],
@@ -64,7 +64,7 @@ def test_mixed_adapter_batch_returns_each_adapters_own_tokens(
     # Every adapter, several prompts, all submitted before any is awaited: the worker runs
     # them concurrently, so batches mix adapters (and exceed max_loras / max_cpu_loras).
     work = [(spec.name, prompt) for prompt in PROMPTS for spec in specs]
-    jobs = run_jobs(gateway_url, work, GREEDY)
+    jobs = run_jobs(api, work, GREEDY)
 
     wrong = []
     for (alias, prompt), job in zip(work, jobs, strict=True):
@@ -80,12 +80,12 @@ def test_mixed_adapter_batch_returns_each_adapters_own_tokens(
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_same_request_twice_gives_identical_tokens(
-    gateway_url: str, specs: list[AdapterSpec], seed: int
+    api: httpx.Client, specs: list[AdapterSpec], seed: int
 ) -> None:
     sampling = {"max_tokens": MAX_TOKENS, "temperature": 0.8, "seed": seed, "ignore_eos": True}
 
     async def twice() -> list[JobPublic]:
-        async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as http:
+        async with async_client(api) as http:
             client = JobsClient(http)
             return [await client.run(specs[0].name, PROMPTS[0], sampling) for _ in range(2)]
 

@@ -23,11 +23,11 @@ from tests.helpers import (
 
 
 def test_deadline_above_the_fleet_limit_is_refused(
-    gateway_url: str, redis: Redis, published: dict[str, AdapterRecord]
+    api: httpx.Client, redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
     before = len(list(redis.scan_iter("lorafleet:job:*")))
-    response = httpx.post(
-        f"{gateway_url}/v1/jobs",
+    response = api.post(
+        "/v1/jobs",
         json={
             "adapter": hot_alias(published),
             "prompt": "Summarise the conversation",
@@ -41,11 +41,11 @@ def test_deadline_above_the_fleet_limit_is_refused(
 
 
 def test_generation_past_its_deadline_is_aborted_in_the_engine(
-    stack: LocalStack, redis: Redis, published: dict[str, AdapterRecord]
+    api: httpx.Client, redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
     aborted_before = fresh_heartbeat(redis)["engine_aborted_requests"]
-    doomed = submit_job(stack.gateway_url, hot_alias(published), deadline_s=0.5)
-    failed = wait_job(stack.gateway_url, doomed["id"])
+    doomed = submit_job(api, hot_alias(published), deadline_s=0.5)
+    failed = wait_job(api, doomed["id"])
     assert failed["status"] == "failed"
     assert failed["error"]["code"] == "deadline_exceeded"
     # Raised by the timeout around the engine call: the generation coroutine was cancelled,
@@ -58,12 +58,12 @@ def test_generation_past_its_deadline_is_aborted_in_the_engine(
 
 @pytest.mark.pauses_consumer
 def test_job_that_waits_in_the_queue_past_its_deadline_never_runs(
-    stack: LocalStack, published: dict[str, AdapterRecord]
+    stack: LocalStack, api: httpx.Client, published: dict[str, AdapterRecord]
 ) -> None:
     with paused(stack, queue_for(Tier.HOT)):
-        accepted = submit_job(stack.gateway_url, hot_alias(published), deadline_s=0.5)
+        accepted = submit_job(api, hot_alias(published), deadline_s=0.5)
         time.sleep(1.0)  # let the deadline pass while the job sits in Redis
-    job = wait_job(stack.gateway_url, accepted["id"])
+    job = wait_job(api, accepted["id"])
     assert job["status"] == "failed"
     assert job["error"]["code"] == "deadline_exceeded"
     assert "waited in the queue" in job["error"]["message"]

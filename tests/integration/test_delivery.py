@@ -56,16 +56,13 @@ UNACKED = ("unacked", "unacked_index")
 class Fleet:
     """A local stack with two workers that tests may kill and replace."""
 
-    def __init__(self, stack: LocalStack, alias: str) -> None:
+    def __init__(self, stack: LocalStack, alias: str, api: httpx.Client) -> None:
         self.stack = stack
         self.alias = alias
+        self.api = api  # the stack's gateway, as its ``dev`` tenant
         self.redis = stack.redis()
         self.control = Celery(broker=stack.redis_url).control
         self._spawned = 0
-
-    @property
-    def gateway_url(self) -> str:
-        return self.stack.gateway_url
 
     def spawn_worker(self, env: dict[str, str] | None = None) -> Child:
         self._spawned += 1
@@ -140,12 +137,14 @@ def fleet(
         stack.redis().config_set("notify-keyspace-events", "Kh")  # for ``job_when``
         alias = specs[0].name
         stack.publisher().publish(fixtures_dir / "adapters" / alias, alias, Tier.HOT)
-        fleet = Fleet(stack, alias)
         stack.start_services({**FLEET_ENV, "LORAFLEET_WORKER_NAME": "fleet-worker-0@%h"})
         first = next(c for c in stack.children if c.name == "worker")
         first.name = "fleet-worker-0"
-        stack.wait_worker(fleet.spawn_worker())
-        yield fleet
+        auth = {"Authorization": f"Bearer {stack.api_key}"}
+        with httpx.Client(base_url=stack.gateway_url, headers=auth, timeout=90) as api:
+            fleet = Fleet(stack, alias, api)
+            stack.wait_worker(fleet.spawn_worker())
+            yield fleet
     finally:
         stack.stop()
 
@@ -172,7 +171,7 @@ def test_worker_killed_mid_job_its_jobs_run_again_elsewhere_exactly_once(fleet: 
     events = fleet.redis.pubsub(ignore_subscribe_messages=True)
     events.subscribe(JOB_EVENTS)
     # Enough long jobs that both workers are busy with several when one of them dies.
-    accepted = [submit_job(fleet.gateway_url, fleet.alias)["id"] for _ in range(24)]
+    accepted = [submit_job(fleet.api, fleet.alias)["id"] for _ in range(24)]
     victim = fleet.worker_running(fleet.first_running(accepted))
     victim_id = fleet.stack.worker_id(victim)
     os.killpg(victim.pid, signal.SIGKILL)  # the worker and its engine, no cleanup at all
@@ -203,8 +202,8 @@ def test_worker_killed_mid_job_its_jobs_run_again_elsewhere_exactly_once(fleet: 
 
 
 def test_job_that_kills_its_worker_every_time_stops_after_max_attempts(fleet: Fleet) -> None:
-    alongside = submit_job(fleet.gateway_url, fleet.alias, sampling={"max_tokens": 4})["id"]
-    poison = submit_job(fleet.gateway_url, fleet.alias)["id"]
+    alongside = submit_job(fleet.api, fleet.alias, sampling={"max_tokens": 4})["id"]
+    poison = submit_job(fleet.api, fleet.alias)["id"]
     killed: list[Child] = []
     later: list[str] = []
     for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -223,7 +222,7 @@ def test_job_that_kills_its_worker_every_time_stops_after_max_attempts(fleet: Fl
         # after this kill (the other died on the previous attempt and is still restarting):
         # submit once one consumes, or the job would wait out its 30 s deadline.
         fleet.wait_any_consuming()
-        later.append(submit_job(fleet.gateway_url, fleet.alias, sampling={"max_tokens": 4})["id"])
+        later.append(submit_job(fleet.api, fleet.alias, sampling={"max_tokens": 4})["id"])
 
     job = fleet.wait_finished(poison)
     assert job.status == "failed"
@@ -243,7 +242,7 @@ def test_sigterm_drains_a_batch_of_running_jobs_and_exits_zero(fleet: Fleet) -> 
     # The batch queues up while nobody consumes, then goes to ``target`` alone, all at once.
     assert len(fleet.control.cancel_consumer(QUEUE, destination=both, reply=True)) == 2
     try:
-        batch = [submit_job(fleet.gateway_url, fleet.alias)["id"] for _ in range(20)]
+        batch = [submit_job(fleet.api, fleet.alias)["id"] for _ in range(20)]
         assert fleet.control.add_consumer(QUEUE, destination=[fleet.node(target)], reply=True)
         deadline = time.monotonic() + 60
         while not all(fleet.job(job_id).status == "running" for job_id in batch):
@@ -271,7 +270,7 @@ def test_sigterm_past_the_drain_timeout_hands_running_jobs_to_another_worker(
     try:
         impatient = fleet.spawn_worker({"LORAFLEET_DRAIN_TIMEOUT_S": "0.5"})
         fleet.stack.wait_worker(impatient)
-        batch = [submit_job(fleet.gateway_url, fleet.alias)["id"] for _ in range(8)]
+        batch = [submit_job(fleet.api, fleet.alias)["id"] for _ in range(8)]
         deadline = time.monotonic() + 60
         while not all(fleet.job(job_id).status == "running" for job_id in batch):
             assert time.monotonic() < deadline, "the batch never ran all at once"
@@ -296,8 +295,7 @@ def test_jobs_queued_before_a_redis_restart_run_after_it(fleet: Fleet) -> None:
     nodes = [fleet.node(worker) for worker in workers]
     assert len(fleet.control.cancel_consumer(QUEUE, destination=nodes, reply=True)) == 2
     queued = [
-        submit_job(fleet.gateway_url, fleet.alias, sampling={"max_tokens": 4})["id"]
-        for _ in range(5)
+        submit_job(fleet.api, fleet.alias, sampling={"max_tokens": 4})["id"] for _ in range(5)
     ]
     assert fleet.redis.llen(QUEUE) == 5
 
@@ -319,5 +317,5 @@ def test_jobs_queued_before_a_redis_restart_run_after_it(fleet: Fleet) -> None:
         assert job.status == "succeeded", job.model_dump_json()
     assert all(worker.alive() for worker in workers), "a worker restarted instead of reconnecting"
     # The gateway reconnected as well.
-    response = httpx.get(f"{fleet.gateway_url}/v1/jobs/{queued[0]}")
+    response = fleet.api.get(f"/v1/jobs/{queued[0]}")
     assert response.status_code == 200

@@ -16,13 +16,15 @@ from lorafleet.stack import LocalStack
 
 
 def test_malformed_message_fails_its_job_with_internal_error(
-    stack: LocalStack, redis: Redis
+    stack: LocalStack, api: httpx.Client, redis: Redis
 ) -> None:
     job = JobPublic(
         id=uuid.uuid4().hex,
         status=JobStatus.QUEUED,
         adapter="lora-00-r8-qv",
         revision="sha256:" + "a" * 64,
+        tenant="dev",
+        tier=Tier.COLD,
         queue=queue_for(Tier.COLD),
         created_at=datetime.now(tz=UTC),
     )
@@ -33,9 +35,7 @@ def test_malformed_message_fails_its_job_with_internal_error(
         args=[{"job_id": job.id, "prompt": "no adapter, no revision"}],
         queue=queue_for(Tier.COLD),
     )
-    answer = httpx.get(
-        f"{stack.gateway_url}/v1/jobs/{job.id}", params={"wait_s": 60}, timeout=90
-    ).json()
+    answer = api.get(f"/v1/jobs/{job.id}", params={"wait_s": 60}, timeout=90).json()
     assert answer["status"] == "failed"
     assert answer["error"]["code"] == "internal_error"
     assert answer["result"] is None

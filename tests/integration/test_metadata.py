@@ -13,14 +13,14 @@ from contracts.registry import AdapterRecord, BaseModelRef
 from lorafleet.client import JobsClient
 from lorafleet.fixtures import AdapterSpec, write_adapter
 from lorafleet.publish import Publisher
-from lorafleet.stack import LocalStack
+from tests.helpers import async_client
 
 SAMPLING = {"max_tokens": 4, "temperature": 0.0}
 
 
-def _run(gateway_url: str, alias: str) -> JobPublic:
+def _run(api: httpx.Client, alias: str) -> JobPublic:
     async def go() -> JobPublic:
-        async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as http:
+        async with async_client(api) as http:
             return await JobsClient(http).run(alias, "Summarise the conversation", SAMPLING)
 
     job = asyncio.run(go())
@@ -29,7 +29,7 @@ def _run(gateway_url: str, alias: str) -> JobPublic:
 
 
 def test_residency_moves_remote_then_engine_then_disk(
-    stack: LocalStack,
+    api: httpx.Client,
     tmp_path: Path,
     fixtures_dir: Path,
     base_model: BaseModelRef,
@@ -43,7 +43,7 @@ def test_residency_moves_remote_then_engine_then_disk(
     write_adapter(tmp_path / probe.name, probe, fixtures_dir / "base")
     record = publisher.publish(tmp_path / probe.name, probe.name, Tier.COLD)
 
-    first = _run(stack.gateway_url, probe.name)
+    first = _run(api, probe.name)
     assert first.metadata is not None
     assert first.metadata.residency_before == "remote"
     assert first.metadata.load_ms.fetch is not None
@@ -52,7 +52,7 @@ def test_residency_moves_remote_then_engine_then_disk(
     assert first.metadata.loaded_digest == record.digest
     assert first.metadata.base_model == base_model
 
-    second = _run(stack.gateway_url, probe.name)
+    second = _run(api, probe.name)
     assert second.metadata is not None
     assert second.metadata.residency_before == "cpu"
     assert second.metadata.load_ms.model_dump() == {
@@ -65,8 +65,8 @@ def test_residency_moves_remote_then_engine_then_disk(
     # More distinct adapters than the engine's CPU cache holds (max_cpu_loras=4, two places
     # taken by pinned hot adapters) push the probe out of the engine; its files stay on disk.
     for spec in specs[2:7]:
-        _run(stack.gateway_url, spec.name)
-    third = _run(stack.gateway_url, probe.name)
+        _run(api, spec.name)
+    third = _run(api, probe.name)
     assert third.metadata is not None
     assert third.metadata.residency_before == "disk"
     assert third.metadata.load_ms.fetch is None
@@ -76,9 +76,9 @@ def test_residency_moves_remote_then_engine_then_disk(
 
 
 def test_metadata_timings_are_consistent(
-    gateway_url: str, specs: list[AdapterSpec], published: dict[str, AdapterRecord]
+    api: httpx.Client, specs: list[AdapterSpec], published: dict[str, AdapterRecord]
 ) -> None:
-    job = _run(gateway_url, specs[0].name)
+    job = _run(api, specs[0].name)
     meta = job.metadata
     assert meta is not None and job.result is not None
     assert meta.queue_wait_ms >= 0

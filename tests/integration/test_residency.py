@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 from redis import Redis
 
 from contracts.digests import manifest_of
@@ -72,12 +73,12 @@ def _disk_sampler(cache_dir: Path) -> Iterator[list[int]]:
 
 
 def test_hot_adapters_are_pinned_at_start(
-    stack: LocalStack, redis: Redis, published: dict[str, AdapterRecord]
+    api: httpx.Client, redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
     hot = [record for record in published.values() if record.tier == Tier.HOT]
     pinned = worker_heartbeat(redis)["pinned"]
     assert sorted(name.split("@")[0] for name in pinned) == sorted(r.alias for r in hot)
-    jobs = run_jobs(stack.gateway_url, [(r.alias, PROMPT) for r in hot], GREEDY)
+    jobs = run_jobs(api, [(r.alias, PROMPT) for r in hot], GREEDY)
     for job in jobs:
         assert job.metadata is not None
         assert job.metadata.residency_before == "gpu"
@@ -90,6 +91,7 @@ def test_hot_adapters_are_pinned_at_start(
 
 def test_churn_keeps_outputs_right_hot_pinned_and_disk_bounded(
     stack: LocalStack,
+    api: httpx.Client,
     publisher: Publisher,
     fixtures_dir: Path,
     tmp_path: Path,
@@ -107,11 +109,11 @@ def test_churn_keeps_outputs_right_hot_pinned_and_disk_bounded(
         first_pass = []
         for group in range(0, len(specs), 3):
             names = [spec.name for spec in specs[group : group + 3]]
-            jobs = run_jobs(stack.gateway_url, [(n, PROMPT) for n in [*names, hot]], GREEDY)
+            jobs = run_jobs(api, [(n, PROMPT) for n in [*names, hot]], GREEDY)
             first_pass += jobs[:3]
             assert jobs[3].metadata is not None
             assert jobs[3].metadata.residency_before == "gpu", "a pinned adapter left its slot"
-        returning = run_jobs(stack.gateway_url, [(s.name, PROMPT) for s in specs[:4]], GREEDY)
+        returning = run_jobs(api, [(s.name, PROMPT) for s in specs[:4]], GREEDY)
 
     for spec, job in zip(specs + specs[:4], first_pass + returning, strict=True):
         assert job.status == JobStatus.SUCCEEDED, job.error
@@ -125,12 +127,12 @@ def test_churn_keeps_outputs_right_hot_pinned_and_disk_bounded(
 
 
 def test_sixteen_simultaneous_jobs_fetch_a_cold_adapter_once(
-    stack: LocalStack, publisher: Publisher, fixtures_dir: Path, tmp_path: Path
+    stack: LocalStack, api: httpx.Client, publisher: Publisher, fixtures_dir: Path, tmp_path: Path
 ) -> None:
     (spec,) = _new_adapters(1, 60_000, tmp_path / "once", fixtures_dir)
     record = publisher.publish(tmp_path / "once" / spec.name, spec.name, Tier.COLD)
     weights = manifest_of(tmp_path / "once" / spec.name, ADAPTER_FILES).files[1]
-    jobs = run_jobs(stack.gateway_url, [(spec.name, PROMPT)] * 16, GREEDY)
+    jobs = run_jobs(api, [(spec.name, PROMPT)] * 16, GREEDY)
     assert all(job.status == JobStatus.SUCCEEDED for job in jobs)
     assert all(job.metadata and job.metadata.revision == record.digest for job in jobs)
     # Counted by the S3 server itself: its request log.
@@ -142,7 +144,12 @@ def test_sixteen_simultaneous_jobs_fetch_a_cold_adapter_once(
 
 
 def test_tampered_cold_adapter_fails_closed_and_leaves_no_file(
-    stack: LocalStack, publisher: Publisher, fixtures_dir: Path, tmp_path: Path, s3: Any
+    stack: LocalStack,
+    api: httpx.Client,
+    publisher: Publisher,
+    fixtures_dir: Path,
+    tmp_path: Path,
+    s3: Any,
 ) -> None:
     (spec,) = _new_adapters(1, 70_000, tmp_path / "tamper", fixtures_dir)
     record = publisher.publish(tmp_path / "tamper" / spec.name, spec.name, Tier.COLD)
@@ -154,7 +161,7 @@ def test_tampered_cold_adapter_fails_closed_and_leaves_no_file(
         Bucket=stack.settings.s3_bucket, Key=blob_key(weights.sha256), Body=bytes(tampered)
     )
 
-    (job,) = run_jobs(stack.gateway_url, [(spec.name, PROMPT)], GREEDY)
+    (job,) = run_jobs(api, [(spec.name, PROMPT)], GREEDY)
     assert job.status == JobStatus.FAILED
     assert job.error is not None and job.error.code == "adapter_integrity"
     assert job.result is None
@@ -201,7 +208,7 @@ def test_warm_adapters_are_preloaded_into_the_engine_cache_at_start(
 
 
 def test_adapter_for_another_base_model_fails_before_any_load(
-    stack: LocalStack, publisher: Publisher, published: dict[str, AdapterRecord]
+    api: httpx.Client, publisher: Publisher, published: dict[str, AdapterRecord]
 ) -> None:
     source = published["lora-05-r4-qkvo"]
     foreign = source.model_copy(
@@ -211,19 +218,19 @@ def test_adapter_for_another_base_model_fails_before_any_load(
         }
     )
     publisher.registry.register(foreign)
-    (job,) = run_jobs(stack.gateway_url, [("foreign-base", PROMPT)], GREEDY)
+    (job,) = run_jobs(api, [("foreign-base", PROMPT)], GREEDY)
     assert job.status == JobStatus.FAILED
     assert job.error is not None and job.error.code == "base_model_mismatch"
     assert job.metadata is not None and job.metadata.load_ms.engine_load is None
 
 
 def test_artifact_missing_from_s3_is_adapter_unavailable(
-    stack: LocalStack, publisher: Publisher, published: dict[str, AdapterRecord]
+    api: httpx.Client, publisher: Publisher, published: dict[str, AdapterRecord]
 ) -> None:
     source = published["lora-05-r4-qkvo"]
     ghost = source.model_copy(update={"alias": "ghost", "digest": "sha256:" + "0" * 64})
     publisher.registry.register(ghost)
-    (job,) = run_jobs(stack.gateway_url, [("ghost", PROMPT)], GREEDY)
+    (job,) = run_jobs(api, [("ghost", PROMPT)], GREEDY)
     assert job.status == JobStatus.FAILED
     assert job.error is not None and job.error.code == "adapter_unavailable"
     assert job.result is None

@@ -13,7 +13,7 @@ from contracts.queues import Tier, queue_for
 from lorafleet.client import JobsClient
 from lorafleet.publish import Publisher
 from lorafleet.stack import LocalStack
-from tests.helpers import paused, run_jobs
+from tests.helpers import async_client, paused, run_jobs
 from tests.oracle import PeftOracle
 
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -21,20 +21,18 @@ PROMPT = "Extract the total amount"
 COLD = queue_for(Tier.COLD)
 
 
-def _submit(gateway_url: str, name: str) -> dict[str, object]:
-    response = httpx.post(
-        f"{gateway_url}/v1/jobs", json={"adapter": name, "prompt": PROMPT, "sampling": GREEDY}
-    )
+def _submit(api: httpx.Client, name: str) -> dict[str, object]:
+    response = api.post("/v1/jobs", json={"adapter": name, "prompt": PROMPT, "sampling": GREEDY})
     assert response.status_code == 202, response.text
     body: dict[str, object] = response.json()
     return body
 
 
-def _finish(gateway_url: str, job_ids: list[str]) -> list[dict[str, object]]:
+def _finish(api: httpx.Client, job_ids: list[str]) -> list[dict[str, object]]:
     import asyncio
 
     async def go() -> list[dict[str, object]]:
-        async with httpx.AsyncClient(base_url=gateway_url, timeout=30) as http:
+        async with async_client(api) as http:
             client = JobsClient(http)
             jobs = await asyncio.gather(*(client.wait(job_id, 300) for job_id in job_ids))
             return [job.model_dump(mode="json") for job in jobs]
@@ -44,7 +42,12 @@ def _finish(gateway_url: str, job_ids: list[str]) -> list[dict[str, object]]:
 
 @pytest.mark.pauses_consumer
 def test_jobs_queued_before_a_channel_moves_run_on_their_admitted_revision(
-    stack: LocalStack, publisher: Publisher, fixtures_dir: Path, oracle: PeftOracle, redis: Redis
+    stack: LocalStack,
+    api: httpx.Client,
+    publisher: Publisher,
+    fixtures_dir: Path,
+    oracle: PeftOracle,
+    redis: Redis,
 ) -> None:
     adapters = fixtures_dir / "adapters"
     first = publisher.publish(adapters / "lora-02-r4-qv", "rev-move-a", Tier.COLD)
@@ -52,15 +55,15 @@ def test_jobs_queued_before_a_channel_moves_run_on_their_admitted_revision(
     publisher.registry.set_channel("rev-move", first.alias)
 
     with paused(stack, COLD):
-        before = [_submit(stack.gateway_url, "rev-move") for _ in range(3)]
+        before = [_submit(api, "rev-move") for _ in range(3)]
         assert redis.llen(COLD) == 3  # really queued, not running
         publisher.registry.set_channel("rev-move", second.alias)
-        after = [_submit(stack.gateway_url, "rev-move") for _ in range(3)]
+        after = [_submit(api, "rev-move") for _ in range(3)]
     assert {job["revision"] for job in before} == {first.digest}
     assert {job["channel"] for job in before} == {"rev-move"}
     assert {job["revision"] for job in after} == {second.digest}
 
-    done = _finish(stack.gateway_url, [str(job["id"]) for job in before + after])
+    done = _finish(api, [str(job["id"]) for job in before + after])
     expected_first = list(oracle.tokens("lora-02-r4-qv", PROMPT, 8))
     expected_second = list(oracle.tokens("lora-07-r8-qkvo", PROMPT, 8))
     assert expected_first != expected_second
@@ -75,34 +78,37 @@ def test_jobs_queued_before_a_channel_moves_run_on_their_admitted_revision(
 
 @pytest.mark.pauses_consumer
 def test_retired_alias_refuses_new_jobs_but_runs_queued_ones(
-    stack: LocalStack, publisher: Publisher, fixtures_dir: Path, oracle: PeftOracle, redis: Redis
+    stack: LocalStack,
+    api: httpx.Client,
+    publisher: Publisher,
+    fixtures_dir: Path,
+    oracle: PeftOracle,
+    redis: Redis,
 ) -> None:
     record = publisher.publish(
         fixtures_dir / "adapters" / "lora-11-r8-qkvo", "rev-retire", Tier.COLD
     )
     publisher.registry.set_channel("rev-retire-chan", record.alias)
     with paused(stack, COLD):
-        queued = _submit(stack.gateway_url, record.alias)
+        queued = _submit(api, record.alias)
         before = redis.llen(COLD)
         publisher.registry.retire(record.alias)
         for name in (record.alias, "rev-retire-chan"):
-            refused = httpx.post(
-                f"{stack.gateway_url}/v1/jobs", json={"adapter": name, "prompt": PROMPT}
-            )
+            refused = api.post("/v1/jobs", json={"adapter": name, "prompt": PROMPT})
             assert refused.status_code == 410
             assert refused.json()["error"]["code"] == "adapter_retired"
         assert redis.llen(COLD) == before  # nothing enqueued
-    (job,) = _finish(stack.gateway_url, [str(queued["id"])])
+    (job,) = _finish(api, [str(queued["id"])])
     assert job["status"] == "succeeded"
     assert job["result"]["token_ids"] == list(oracle.tokens("lora-11-r8-qkvo", PROMPT, 8))  # type: ignore[index]
 
 
 def test_a_channel_resolves_to_its_alias_in_the_answer(
-    stack: LocalStack, publisher: Publisher, fixtures_dir: Path
+    api: httpx.Client, publisher: Publisher, fixtures_dir: Path
 ) -> None:
     record = publisher.publish(fixtures_dir / "adapters" / "lora-02-r4-qv", "rev-plain", Tier.COLD)
     publisher.registry.set_channel("rev-plain-chan", record.alias)
-    (job,) = run_jobs(stack.gateway_url, [("rev-plain-chan", PROMPT)], GREEDY)
+    (job,) = run_jobs(api, [("rev-plain-chan", PROMPT)], GREEDY)
     assert job.status == JobStatus.SUCCEEDED
     assert job.adapter == record.alias and job.channel == "rev-plain-chan"
     assert job.metadata is not None and job.metadata.revision == record.digest

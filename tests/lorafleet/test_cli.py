@@ -116,15 +116,17 @@ def test_stack_up_detached_serves_a_published_adapter_then_stack_down_stops_it(
             env,
         )
         assert published.returncode == 0, published.stdout + published.stderr
-        accepted = httpx.post(
-            f"{stack['gateway_url']}/v1/jobs",
-            json={"adapter": "detached", "prompt": "hi", "sampling": {"max_tokens": 3}},
-        ).json()
-        deadline = time.monotonic() + 120
-        job = httpx.get(f"{stack['gateway_url']}/v1/jobs/{accepted['id']}").json()
-        while job["status"] not in ("succeeded", "failed") and time.monotonic() < deadline:
-            time.sleep(0.1)
-            job = httpx.get(f"{stack['gateway_url']}/v1/jobs/{accepted['id']}").json()
+        auth = {"Authorization": f"Bearer {stack['api_key']}"}
+        with httpx.Client(base_url=stack["gateway_url"], headers=auth) as api:
+            accepted = api.post(
+                "/v1/jobs",
+                json={"adapter": "detached", "prompt": "hi", "sampling": {"max_tokens": 3}},
+            ).json()
+            deadline = time.monotonic() + 120
+            job = api.get(f"/v1/jobs/{accepted['id']}").json()
+            while job["status"] not in ("succeeded", "failed") and time.monotonic() < deadline:
+                time.sleep(0.1)
+                job = api.get(f"/v1/jobs/{accepted['id']}").json()
         assert job["status"] == "succeeded", job
         assert job["metadata"]["identity_verified"] is True
     finally:

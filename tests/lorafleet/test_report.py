@@ -10,6 +10,7 @@ from contracts.jobs import (
     LoadTimings,
     ResultMetadata,
 )
+from contracts.queues import Tier
 from contracts.registry import BaseModelRef
 from lorafleet.report import percentile, summarise
 
@@ -20,6 +21,8 @@ def _job(alias: str, e2e_ms: float, residency: str, fetch: float | None) -> JobP
         status=JobStatus.SUCCEEDED,
         adapter=alias,
         revision="sha256:x",
+        tenant="t",
+        tier=Tier.HOT,
         queue="q",
         created_at=datetime.now(tz=UTC),
         metadata=ResultMetadata(
@@ -54,6 +57,8 @@ def test_summary_counts_per_tier_and_integrity_failures() -> None:
         status=JobStatus.FAILED,
         adapter="b",
         revision="sha256:y",
+        tenant="t",
+        tier=Tier.HOT,
         queue="q",
         created_at=datetime.now(tz=UTC),
         error=ErrorBody(code=ErrorCode.ADAPTER_INTEGRITY, message="tampered"),

@@ -1,0 +1,61 @@
+"""Who is calling: a bearer API key resolves to a tenant, or the request is refused (401)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from typing import Annotated
+
+from fastapi import Depends
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from redis.exceptions import RedisError
+
+from contracts.errors import ErrorCode
+from contracts.keys import api_key_key, tenant_key
+from contracts.tenants import KEY_PREFIX, ApiKeyRecord, TenantRecord, key_hash
+from gateway.deps import RedisDep, SettingsDep
+from gateway.errors import ApiError, unavailable
+
+_bearer = HTTPBearer(auto_error=False, description="A tenant API key: `lf_<id>_<secret>`.")
+
+_UNAUTHORIZED = (
+    "A valid API key is required: send `Authorization: Bearer <key>` "
+    "(create one with `lorafleet tenants create`)."
+)
+
+
+_NOT_AUTHENTICATED = "The request could not be authenticated: {what} ({exc}); retry."
+
+
+def _refused() -> ApiError:
+    return ApiError(
+        401, ErrorCode.UNAUTHORIZED, _UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+async def authenticate(
+    redis: RedisDep,
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> TenantRecord:
+    """The tenant owning the presented key. A revoked key is gone from Redis, so it is
+    refused on the next request; a rotated key is refused once its grace period ends."""
+    if credentials is None or not credentials.credentials.startswith(KEY_PREFIX):
+        raise _refused()
+    try:
+        async with asyncio.timeout(settings.redis_timeout_s):
+            raw_key = await redis.get(api_key_key(key_hash(credentials.credentials)))
+            if raw_key is None:
+                raise _refused()
+            key = ApiKeyRecord.model_validate_json(raw_key)
+            raw_tenant = await redis.get(tenant_key(key.tenant))
+    except (RedisError, OSError, TimeoutError) as exc:
+        raise unavailable("the key store is unreachable", exc, _NOT_AUTHENTICATED) from exc
+    if key.expires_at is not None and key.expires_at <= datetime.now(tz=UTC):
+        raise _refused()
+    if raw_tenant is None:
+        raise _refused()
+    return TenantRecord.model_validate_json(raw_tenant)
+
+
+TenantDep = Annotated[TenantRecord, Depends(authenticate)]

@@ -1,0 +1,61 @@
+"""Refuse request bodies over a size limit (413) before reading them whole.
+
+A declared ``Content-Length`` over the limit is refused before a byte of the body is read; a
+chunked body is counted as it arrives and refused as soon as it passes the limit.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from contracts.errors import ErrorBody, ErrorCode
+from gateway.errors import error_response
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self._app = app
+        self._max_bytes = max_bytes
+
+    def _refusal(self) -> ErrorBody:
+        return ErrorBody(
+            code=ErrorCode.PAYLOAD_TOO_LARGE,
+            message=f"The request body is larger than {self._max_bytes} bytes. "
+            "Nothing was enqueued.",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self._max_bytes:
+            await error_response(413, self._refusal())(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self._max_bytes:
+                    raise BodyTooLarge
+            return message
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self._app(scope, counted, tracked)
+        except BodyTooLarge:
+            if started:
+                raise
+            await error_response(413, self._refusal())(scope, receive, send)

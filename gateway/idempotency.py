@@ -1,0 +1,80 @@
+"""``Idempotency-Key``: the same key and body within the TTL is the same job, once.
+
+The first request reserves the key (``SET NX``) as *pending* with the job id it is about to
+admit, and marks it *done* once the job is enqueued; if admission fails it deletes the key,
+so a retry admits afresh. A duplicate that finds the key pending waits for one of the two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel
+from redis.asyncio import Redis
+
+from contracts.keys import idempotency_key
+
+POLL_S = 0.05
+
+
+class State(StrEnum):
+    PENDING = "pending"
+    DONE = "done"
+
+
+class Entry(BaseModel):
+    fingerprint: str
+    job_id: str
+    state: State
+
+
+def fingerprint(route: str, body: Any) -> str:
+    """A digest of what was asked: the route and the body with keys sorted."""
+    canonical = json.dumps([route, body], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """``owned``: this request admits ``job_id``; otherwise ``job_id`` was admitted before
+    (``conflict``: under a different body)."""
+
+    owned: bool
+    job_id: str
+    conflict: bool = False
+
+
+class IdempotencyKeys:
+    def __init__(self, redis: Redis, tenant: str, key: str, ttl_s: int) -> None:
+        self._redis = redis
+        self._key = idempotency_key(tenant, key)
+        self._ttl_s = ttl_s
+
+    async def reserve(self, fingerprint: str, job_id: str) -> Reservation:
+        """Reserve for ``job_id``, or the earlier job once it is enqueued (waits while the
+        earlier request is still admitting it; the caller bounds the wait)."""
+        mine = Entry(fingerprint=fingerprint, job_id=job_id, state=State.PENDING)
+        while True:
+            if await self._redis.set(self._key, mine.model_dump_json(), nx=True, ex=self._ttl_s):
+                return Reservation(owned=True, job_id=job_id)
+            raw = await self._redis.get(self._key)
+            if raw is None:
+                continue  # the earlier request failed and let go: try again
+            entry = Entry.model_validate_json(raw)
+            if entry.fingerprint != fingerprint:
+                return Reservation(owned=False, job_id=entry.job_id, conflict=True)
+            if entry.state == State.DONE:
+                return Reservation(owned=False, job_id=entry.job_id)
+            await asyncio.sleep(POLL_S)
+
+    async def done(self, fingerprint: str, job_id: str) -> None:
+        entry = Entry(fingerprint=fingerprint, job_id=job_id, state=State.DONE)
+        await self._redis.set(self._key, entry.model_dump_json(), ex=self._ttl_s)
+
+    async def release(self) -> None:
+        await self._redis.delete(self._key)

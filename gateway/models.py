@@ -1,0 +1,105 @@
+"""Base-model knowledge the gateway admits prompts with: token counts and chat templates.
+
+Workers publish a ``BaseModelCard`` per base model (``worker.model_card``); the gateway keeps
+each card for ``CARD_TTL_S`` and each tokenizer (immutable, named by content hash) for good.
+No card yet (no worker has served that base model) means the length check is left to the
+worker and chat prompts can't be rendered.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from redis.asyncio import Redis
+from tokenizers import Tokenizer
+
+from contracts.keys import base_card_key, tokenizer_key
+from contracts.registry import BaseModelCard
+
+CARD_TTL_S = 10.0
+
+
+class ChatTemplateError(Exception):
+    """The model's chat template refused the messages (e.g. roles it doesn't support)."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    card: BaseModelCard
+    tokenizer: Tokenizer | None
+
+    def count_tokens(self, prompt: str, add_special_tokens: bool = True) -> int | None:
+        """Prompt tokens as the engine will count them; ``None`` without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        return len(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str | None:
+        """The prompt text for ``messages`` with the generation prompt appended, rendered the
+        way ``transformers`` renders chat templates; ``None`` if the model has no template."""
+        if self.card.chat_template is None:
+            return None
+        try:
+            template = _environment().from_string(self.card.chat_template)
+            return template.render(
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=self.card.bos_token or "",
+                eos_token=self.card.eos_token or "",
+            )
+        except TemplateError as exc:
+            raise ChatTemplateError(str(exc)) from exc
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class BaseModels:
+    """Cards and tokenizers by base-model digest, read from Redis and cached."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+        self._cards: dict[str, tuple[float, BaseModelCard | None]] = {}
+        self._tokenizers: dict[str, Tokenizer] = {}
+
+    async def get(self, digest: str) -> ServedModel | None:
+        card = await self._card(digest)
+        if card is None:
+            return None
+        return ServedModel(card=card, tokenizer=await self._tokenizer(card.tokenizer_sha256))
+
+    async def _card(self, digest: str) -> BaseModelCard | None:
+        cached = self._cards.get(digest)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1]
+        raw = await self._redis.get(base_card_key(digest))
+        card = None if raw is None else BaseModelCard.model_validate_json(raw)
+        self._cards[digest] = (time.monotonic() + CARD_TTL_S, card)
+        return card
+
+    async def _tokenizer(self, sha256: str | None) -> Tokenizer | None:
+        if sha256 is None:
+            return None
+        if sha256 not in self._tokenizers:
+            raw = await self._redis.get(tokenizer_key(sha256))
+            if raw is None:
+                return None
+            self._tokenizers[sha256] = Tokenizer.from_str(str(raw))
+        return self._tokenizers[sha256]

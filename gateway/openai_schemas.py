@@ -1,0 +1,196 @@
+"""OpenAI-compatible request and response bodies (the subset lorafleet serves).
+
+Parameters OpenAI defines but lorafleet does not implement are refused with
+``unsupported_parameter`` when set to anything but their neutral value, never silently
+ignored; parameters nobody defined (``user``, ``metadata`` …) are ignored as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from contracts.errors import ErrorCode
+from contracts.jobs import MAX_PROMPT_CHARS, ResultMetadata, Sampling, Usage
+from gateway.errors import ApiError
+
+# Parameter -> its neutral value: anything else is a feature we don't serve.
+_NEUTRAL: dict[str, Any] = {
+    "n": 1,
+    "best_of": 1,
+    "echo": False,
+    "logprobs": None,
+    "top_logprobs": None,
+    "suffix": None,
+    "logit_bias": None,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "tools": None,
+    "tool_choice": None,
+    "response_format": None,
+}
+
+
+class _OpenAIRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(description="an adapter alias or channel the tenant is granted")
+    max_tokens: int | None = Field(default=None, ge=1, le=4096)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    ignore_eos: bool = Field(default=False, description="lorafleet/vLLM extension")
+    deadline_s: float | None = Field(default=None, gt=0, description="lorafleet extension")
+
+    def check(self) -> None:
+        """Refuse what the schema can't express: features lorafleet does not serve."""
+        for name, value in (self.model_extra or {}).items():
+            if name in _NEUTRAL and value not in (_NEUTRAL[name], None):
+                raise ApiError(
+                    422,
+                    ErrorCode.UNSUPPORTED_PARAMETER,
+                    f"Parameter {name!r} = {value!r} is not supported by lorafleet "
+                    f"(only {_NEUTRAL[name]!r}). Nothing was enqueued.",
+                    param=name,
+                )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+    def sampling(self, default_max_tokens: int) -> Sampling:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return Sampling(
+            max_tokens=self.max_tokens or default_max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=stop,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class CompletionCreate(_OpenAIRequest):
+    """Body of ``POST /v1/completions``."""
+
+    prompt: str | list[str] = Field(description="one prompt (a list of exactly one is accepted)")
+
+    def check(self) -> None:
+        super().check()
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if len(prompts) != 1:
+            raise ApiError(
+                422,
+                ErrorCode.UNSUPPORTED_PARAMETER,
+                f"prompt: exactly one prompt per request is supported (got {len(prompts)}); "
+                "use /v1/batches or several requests. Nothing was enqueued.",
+                param="prompt",
+            )
+        if not 1 <= len(prompts[0]) <= MAX_PROMPT_CHARS:
+            raise ApiError(
+                422,
+                ErrorCode.VALIDATION_ERROR,
+                f"Invalid request: prompt: 1 to {MAX_PROMPT_CHARS} characters.",
+                param="prompt",
+            )
+
+    @property
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+
+    def rendered(self) -> dict[str, str]:
+        """As chat templates expect it: ``{"role", "content"}`` with plain-text content."""
+        content = self.content
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionCreate(_OpenAIRequest):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1000)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=4096)
+
+    def sampling(self, default_max_tokens: int) -> Sampling:
+        sampling = super().sampling(default_max_tokens)
+        if self.max_completion_tokens is not None:
+            sampling = sampling.model_copy(update={"max_tokens": self.max_completion_tokens})
+        return sampling
+
+
+class LorafleetInfo(BaseModel):
+    """Which weights answered: the audit trail every response carries."""
+
+    job_id: str
+    adapter: str
+    channel: str | None
+    revision: str
+    metadata: ResultMetadata | None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    lorafleet: LorafleetInfo
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    lorafleet: LorafleetInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,351 @@
+"""OpenAI-compatible endpoints: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+
+A completion is a job like any other (same admission, limits, queue, worker); these routes
+wait for it (``completion_timeout_s``) or stream its text as Server-Sent Events in OpenAI's
+chunk format. Every answer names the weights that produced it: the ``lorafleet`` field and
+the ``x-lorafleet-revision`` / ``x-lorafleet-job-id`` headers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from redis.exceptions import RedisError
+
+from contracts.errors import ErrorBody, ErrorCode
+from contracts.jobs import JobPublic, JobStatus, Sampling
+from gateway.auth import TenantDep
+from gateway.deps import RedisDep, SettingsDep, SubmitterDep, WaiterDep
+from gateway.errors import (
+    ADMISSION,
+    AUTHENTICATED,
+    ApiError,
+    ErrorEnvelope,
+    ErrorEnvelopeBody,
+    error_type,
+    responses,
+    unavailable,
+)
+from gateway.idempotency import fingerprint
+from gateway.openai_schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionCreate,
+    Completion,
+    CompletionChoice,
+    CompletionCreate,
+    LorafleetInfo,
+    ModelCard,
+    ModelList,
+    _OpenAIRequest,
+)
+from gateway.registry import granted_models
+from gateway.streams import StreamDiverged, follow
+from gateway.submit import Idempotency, Submission
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for ``max_tokens`` when a request leaves it out."""
+
+_JOB_FAILED = (
+    ErrorCode.DEADLINE_EXCEEDED,
+    ErrorCode.CANCELLED,
+    ErrorCode.ADAPTER_INTEGRITY,
+    ErrorCode.ADAPTER_UNAVAILABLE,
+    ErrorCode.BASE_MODEL_MISMATCH,
+    ErrorCode.ENGINE_ERROR,
+    ErrorCode.ATTEMPTS_EXHAUSTED,
+    ErrorCode.INTERNAL_ERROR,
+)
+_COMPLETION_ERRORS = responses(
+    *ADMISSION, ErrorCode.UNSUPPORTED_PARAMETER, ErrorCode.TIMEOUT, *_JOB_FAILED
+)
+
+IdempotencyKeyHeader = Annotated[str | None, Header(alias="Idempotency-Key", max_length=255)]
+
+
+@router.get("/models", response_model=ModelList, responses=responses(*AUTHENTICATED))
+async def list_models(tenant: TenantDep, redis: RedisDep) -> ModelList:
+    """The aliases and channels this tenant may name as ``model``."""
+    try:
+        models = await granted_models(redis, tenant.name)
+    except (RedisError, OSError) as exc:
+        raise unavailable("the registry is unreachable", exc, _NOT_LISTED) from exc
+    return ModelList(data=[_card(name, record.created_at.timestamp()) for name, record in models])
+
+
+@router.get(
+    "/models/{model}",
+    response_model=ModelCard,
+    responses=responses(*AUTHENTICATED, ErrorCode.ADAPTER_NOT_FOUND),
+)
+async def get_model(model: str, tenant: TenantDep, redis: RedisDep) -> ModelCard:
+    try:
+        models = dict(await granted_models(redis, tenant.name))
+    except (RedisError, OSError) as exc:
+        raise unavailable("the registry is unreachable", exc, _NOT_LISTED) from exc
+    if model not in models:
+        raise ApiError(
+            404,
+            ErrorCode.ADAPTER_NOT_FOUND,
+            f"No adapter named {model!r} is available.",
+            param="model",
+        )
+    return _card(model, models[model].created_at.timestamp())
+
+
+_NOT_LISTED = "The models could not be listed: {what} ({exc}); retry."
+_NOT_READ = "The job was accepted but its result could not be read: {what} ({exc})."
+
+
+def _card(name: str, created: float) -> ModelCard:
+    return ModelCard(id=name, created=int(created), owned_by="lorafleet")
+
+
+@dataclass
+class _Call:
+    """What every completion request needs besides its body."""
+
+    tenant: TenantDep
+    submitter: SubmitterDep
+    redis: RedisDep
+    waiter: WaiterDep
+    settings: SettingsDep
+    idempotency_key: IdempotencyKeyHeader = None
+
+
+CallDep = Annotated[_Call, Depends()]
+
+
+@router.post("/completions", response_model=Completion, responses=_COMPLETION_ERRORS)
+async def create_completion(body: CompletionCreate, call: CallDep) -> Any:
+    """A completion of ``prompt`` by adapter ``model`` (``stream: true``: Server-Sent Events)."""
+    body.check()
+    submission = Submission(
+        adapter=body.model,
+        prompt=body.text,
+        sampling=_sampling(body),
+        deadline_s=body.deadline_s,
+        stream=body.stream,
+    )
+    return await _complete(call, "/v1/completions", body, submission, _TEXT)
+
+
+@router.post("/chat/completions", response_model=ChatCompletion, responses=_COMPLETION_ERRORS)
+async def create_chat_completion(body: ChatCompletionCreate, call: CallDep) -> Any:
+    """The assistant's reply to ``messages``, rendered with the base model's chat template
+    (``stream: true``: Server-Sent Events)."""
+    body.check()
+    submission = Submission(
+        adapter=body.model,
+        messages=[message.rendered() for message in body.messages],
+        sampling=_sampling(body),
+        deadline_s=body.deadline_s,
+        stream=body.stream,
+    )
+    return await _complete(call, "/v1/chat/completions", body, submission, _CHAT)
+
+
+def _sampling(body: _OpenAIRequest) -> Sampling:
+    try:
+        return body.sampling(DEFAULT_MAX_TOKENS)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "body"
+        raise ApiError(
+            422,
+            ErrorCode.VALIDATION_ERROR,
+            f"Invalid request: {field}: {first['msg']}",
+            param=field,
+        ) from exc
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """How one endpoint words its answers."""
+
+    id_prefix: str
+    chunk_object: str
+    whole: Callable[[JobPublic, str, int], BaseModel]
+    delta: Callable[[str], dict[str, Any]]
+    opening: dict[str, Any] | None
+
+
+def _info(job: JobPublic) -> LorafleetInfo:
+    return LorafleetInfo(
+        job_id=job.id,
+        adapter=job.adapter,
+        channel=job.channel,
+        revision=job.revision,
+        metadata=job.metadata,
+    )
+
+
+def _whole_text(job: JobPublic, model: str, created: int) -> BaseModel:
+    assert job.result is not None
+    return Completion(
+        id=f"cmpl-{job.id}",
+        created=created,
+        model=model,
+        choices=[CompletionChoice(text=job.result.text, finish_reason=job.result.finish_reason)],
+        usage=job.result.usage,
+        lorafleet=_info(job),
+    )
+
+
+def _whole_chat(job: JobPublic, model: str, created: int) -> BaseModel:
+    assert job.result is not None
+    return ChatCompletion(
+        id=f"chatcmpl-{job.id}",
+        created=created,
+        model=model,
+        choices=[
+            ChatChoice(
+                message=AssistantMessage(content=job.result.text),
+                finish_reason=job.result.finish_reason,
+            )
+        ],
+        usage=job.result.usage,
+        lorafleet=_info(job),
+    )
+
+
+_TEXT = _Kind(
+    id_prefix="cmpl-",
+    chunk_object="text_completion",
+    whole=_whole_text,
+    delta=lambda text: {"text": text},
+    opening=None,
+)
+_CHAT = _Kind(
+    id_prefix="chatcmpl-",
+    chunk_object="chat.completion.chunk",
+    whole=_whole_chat,
+    delta=lambda text: {"delta": {"content": text}},
+    opening={"delta": {"role": "assistant", "content": ""}},
+)
+
+
+def _audit_headers(job: JobPublic) -> dict[str, str]:
+    return {"x-lorafleet-job-id": job.id, "x-lorafleet-revision": job.revision}
+
+
+_FAILED_STATUS = {ErrorCode.DEADLINE_EXCEEDED: 504, ErrorCode.CANCELLED: 409}
+
+
+def _job_error(job: JobPublic | None, job_id: str, timeout_s: float) -> ApiError:
+    """Why a job gave no completion, as an API error."""
+    if job is None or not job.status.terminal:
+        return ApiError(
+            504,
+            ErrorCode.TIMEOUT,
+            f"Job {job_id} did not finish within {timeout_s:g} s; it keeps running: "
+            f"GET /v1/jobs/{job_id} for its result.",
+        )
+    error = job.error or ErrorBody(code=ErrorCode.INTERNAL_ERROR, message="no error recorded")
+    return ApiError(
+        _FAILED_STATUS.get(error.code, 500),
+        error.code,
+        f"Job {job_id} {job.status.value}: {error.message}",
+    )
+
+
+async def _complete(
+    call: _Call, route: str, body: _OpenAIRequest, submission: Submission, kind: _Kind
+) -> Any:
+    idempotency = None
+    if call.idempotency_key is not None:
+        idempotency = Idempotency(
+            call.idempotency_key, fingerprint(route, body.model_dump(mode="json"))
+        )
+    admitted = await call.submitter.submit(call.tenant, submission, idempotency)
+    job, created = admitted.job, int(time.time())
+    timeout_s = call.settings.completion_timeout_s
+    if body.stream:
+        events = _events(call, job, body, kind, created, timeout_s)
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers=_audit_headers(job)
+        )
+    try:
+        finished = await call.waiter.wait(call.redis, job.id, call.tenant.name, timeout_s)
+    except (RedisError, OSError) as exc:
+        raise unavailable(f"job {job.id}: the job store is unreachable", exc, _NOT_READ) from exc
+    if finished is None or finished.status != JobStatus.SUCCEEDED:
+        error = _job_error(finished, job.id, timeout_s)
+        error.headers = _audit_headers(job)
+        raise error
+    return JSONResponse(
+        kind.whole(finished, body.model, created).model_dump(mode="json"),
+        headers=_audit_headers(job),
+    )
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+def _error_event(error: ApiError) -> bytes:
+    envelope = ErrorEnvelope(
+        error=ErrorEnvelopeBody(
+            code=error.code, message=error.message, type=error_type(error.status_code)
+        )
+    )
+    return _sse(envelope.model_dump(mode="json", exclude_none=True))
+
+
+async def _events(
+    call: _Call,
+    job: JobPublic,
+    body: _OpenAIRequest,
+    kind: _Kind,
+    created: int,
+    timeout_s: float,
+) -> AsyncIterator[bytes]:
+    """OpenAI's chunk stream: the text as it is produced, a last chunk with the finish
+    reason (and ``lorafleet``), a usage chunk if asked for, then ``[DONE]``. A failure after
+    the stream started arrives as an error event, which OpenAI clients raise."""
+    head = {"id": f"{kind.id_prefix}{job.id}", "object": kind.chunk_object, "created": created}
+    head["model"] = body.model
+
+    def chunk(choice: dict[str, Any] | None, **extra: Any) -> bytes:
+        choices = [] if choice is None else [{"index": 0, "finish_reason": None} | choice]
+        return _sse(head | {"choices": choices} | extra)
+
+    if kind.opening is not None:
+        yield chunk(kind.opening)
+    try:
+        async for item in follow(call.redis, job.id, call.tenant.name, timeout_s):
+            if isinstance(item, str):
+                yield chunk(kind.delta(item))
+                continue
+            if item.status != JobStatus.SUCCEEDED or item.result is None:
+                yield _error_event(_job_error(item, job.id, timeout_s))
+                break
+            last = kind.delta("") | {"finish_reason": item.result.finish_reason}
+            yield chunk(last, lorafleet=_info(item).model_dump(mode="json"))
+            if body.include_usage:
+                yield chunk(None, usage=item.result.usage.model_dump())
+    except StreamDiverged:
+        yield _error_event(
+            ApiError(
+                500,
+                ErrorCode.INTERNAL_ERROR,
+                f"Job {job.id} was restarted after a worker failure and its new attempt "
+                f"produced different text; GET /v1/jobs/{job.id} for the final result.",
+            )
+        )
+    except (RedisError, OSError) as exc:
+        yield _error_event(
+            unavailable(f"job {job.id}: the job store is unreachable", exc, _NOT_READ)
+        )
+    yield _sse("[DONE]")

@@ -1,0 +1,310 @@
+"""Admission: the one path every job takes into the fleet, whatever API it came through.
+
+resolve the adapter (granted to the tenant?) -> check the deadline and the prompt's length
+-> reserve the idempotency key -> admit against the limits (ledger + record, one script)
+-> enqueue -> on any failure, undo everything. A caller sees 202 only for an enqueued job
+and never leaves anything behind on a refusal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from celery import Celery
+from fastapi.concurrency import run_in_threadpool
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from contracts import admission
+from contracts.errors import ErrorCode
+from contracts.jobs import JobMessage, JobPublic, JobStatus, Sampling
+from contracts.queues import queue_for
+from contracts.tenants import TenantRecord
+from gateway import job_store
+from gateway.config import GatewaySettings
+from gateway.errors import ApiError, unavailable
+from gateway.idempotency import IdempotencyKeys, Reservation
+from gateway.models import BaseModels, ChatTemplateError, ServedModel
+from gateway.queue import enqueue
+from gateway.registry import Resolved, resolve
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One job as a caller asked for it: a prompt, or chat messages to render into one."""
+
+    adapter: str
+    sampling: Sampling
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    deadline_s: float | None = None
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class Admitted:
+    job: JobPublic
+    replayed: bool
+    """True when an ``Idempotency-Key`` matched an earlier request: nothing new was enqueued."""
+
+
+@dataclass(frozen=True)
+class Idempotency:
+    key: str
+    fingerprint: str
+
+
+class Submitter:
+    def __init__(
+        self, redis: Redis, producer: Celery, models: BaseModels, settings: GatewaySettings
+    ) -> None:
+        self._redis = redis
+        self._producer = producer
+        self._models = models
+        self._settings = settings
+
+    async def submit(
+        self, tenant: TenantRecord, request: Submission, idempotency: Idempotency | None = None
+    ) -> Admitted:
+        """Admit and enqueue ``request`` for ``tenant``, or raise ``ApiError``.
+
+        Redis and the broker get ``redis_timeout_s`` in all: past it the answer is 503.
+        """
+        try:
+            async with asyncio.timeout(self._settings.redis_timeout_s):
+                return await self._submit(tenant, request, idempotency)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise unavailable("Redis or the queue did not answer in time", exc) from exc
+
+    async def _submit(
+        self, tenant: TenantRecord, request: Submission, idempotency: Idempotency | None
+    ) -> Admitted:
+        resolved = await self._resolve(tenant, request.adapter)
+        deadline_s = self._deadline_s(request)
+        model = await self._models.get(resolved.record.base_model.digest)
+        prompt, add_special_tokens = self._prompt(request, model, resolved)
+        self._check_length(prompt, add_special_tokens, request.sampling, model)
+
+        job_id = uuid.uuid4().hex
+        keys = None
+        if idempotency is not None:
+            keys = IdempotencyKeys(
+                self._redis, tenant.name, idempotency.key, self._settings.idempotency_ttl_s
+            )
+            reservation = await keys.reserve(idempotency.fingerprint, job_id)
+            if not reservation.owned:
+                return await self._replay(tenant, reservation)
+        try:
+            job, message = self._job(tenant, resolved, request, job_id, deadline_s, prompt)
+            message = message.model_copy(update={"add_special_tokens": add_special_tokens})
+            await self._admit(tenant, job, message)
+        except BaseException:
+            if keys is not None:
+                with contextlib.suppress(RedisError, OSError):
+                    await asyncio.shield(keys.release())
+            raise
+        if keys is not None and idempotency is not None:
+            await keys.done(idempotency.fingerprint, job_id)
+        return Admitted(job=job, replayed=False)
+
+    async def _resolve(self, tenant: TenantRecord, name: str) -> Resolved:
+        resolved = await resolve(self._redis, name, tenant.name)
+        if resolved is None:
+            raise ApiError(
+                404,
+                ErrorCode.ADAPTER_NOT_FOUND,
+                f"No adapter named {name!r} is available. Nothing was enqueued.",
+                param="adapter",
+            )
+        if resolved.retired:
+            raise ApiError(
+                410,
+                ErrorCode.ADAPTER_RETIRED,
+                f"Adapter {resolved.record.alias!r} is retired and takes no new jobs. "
+                "Nothing was enqueued.",
+                param="adapter",
+            )
+        return resolved
+
+    def _deadline_s(self, request: Submission) -> float:
+        limit = self._settings.job_deadline_s
+        if request.deadline_s is not None and request.deadline_s > limit:
+            raise ApiError(
+                422,
+                ErrorCode.VALIDATION_ERROR,
+                f"Invalid request: deadline_s: at most {limit:g} seconds.",
+                param="deadline_s",
+            )
+        return request.deadline_s or limit
+
+    @staticmethod
+    def _prompt(
+        request: Submission, model: ServedModel | None, resolved: Resolved
+    ) -> tuple[str, bool]:
+        """The prompt text, and whether the engine adds special tokens (not to a rendered
+        chat template, which carries its own)."""
+        if request.messages is None:
+            assert request.prompt is not None
+            return request.prompt, True
+        base = resolved.record.base_model
+        if model is None:
+            raise ApiError(
+                503,
+                ErrorCode.SERVICE_UNAVAILABLE,
+                f"No worker has described base model {base.id} yet, so its chat template is "
+                "unknown. Nothing was enqueued; retry once a worker for it is up.",
+                headers={"Retry-After": "10"},
+            )
+        try:
+            rendered = model.render_chat(request.messages)
+        except ChatTemplateError as exc:
+            raise ApiError(
+                422,
+                ErrorCode.VALIDATION_ERROR,
+                f"Invalid request: messages: the model's chat template refused them ({exc}).",
+                param="messages",
+            ) from exc
+        if rendered is None:
+            raise ApiError(
+                422,
+                ErrorCode.VALIDATION_ERROR,
+                f"Invalid request: base model {base.id} has no chat template; use "
+                "/v1/completions with a prompt.",
+                param="messages",
+            )
+        return rendered, False
+
+    @staticmethod
+    def _check_length(
+        prompt: str, add_special_tokens: bool, sampling: Sampling, model: ServedModel | None
+    ) -> None:
+        if model is None:
+            return  # no worker has served this base yet: the worker checks instead
+        tokens = model.count_tokens(prompt, add_special_tokens)
+        if tokens is None:
+            return
+        context = model.card.max_model_len
+        if tokens + sampling.max_tokens > context:
+            raise ApiError(
+                422,
+                ErrorCode.PROMPT_TOO_LONG,
+                f"The prompt is {tokens} tokens; with max_tokens {sampling.max_tokens} it needs "
+                f"{tokens + sampling.max_tokens}, more than the model's context of {context} "
+                "tokens. Shorten the prompt or lower max_tokens. Nothing was enqueued.",
+                param="prompt",
+            )
+
+    def _job(
+        self,
+        tenant: TenantRecord,
+        resolved: Resolved,
+        request: Submission,
+        job_id: str,
+        deadline_s: float,
+        prompt: str,
+    ) -> tuple[JobPublic, JobMessage]:
+        record = resolved.record
+        accepted_at = time.time()
+        deadline_at = accepted_at + deadline_s
+        job = JobPublic(
+            id=job_id,
+            status=JobStatus.QUEUED,
+            tenant=tenant.name,
+            adapter=record.alias,
+            channel=resolved.channel,
+            revision=record.digest,
+            tier=record.tier,
+            queue=queue_for(record.tier),
+            created_at=datetime.fromtimestamp(accepted_at, tz=UTC),
+            deadline_at=datetime.fromtimestamp(deadline_at, tz=UTC),
+        )
+        message = JobMessage(
+            job_id=job_id,
+            tenant=tenant.name,
+            adapter=record.alias,
+            revision=record.digest,
+            base_model=record.base_model,
+            tier=record.tier,
+            prompt=prompt,
+            stream=request.stream,
+            sampling=request.sampling,
+            accepted_at=accepted_at,
+            deadline_at=deadline_at,
+        )
+        return job, message
+
+    def _limits(self, tenant: TenantRecord, job: JobPublic) -> admission.Limits:
+        own, defaults = tenant.limits, self._settings
+        return admission.Limits(
+            tier_max=defaults.tier_limit(job.tier),
+            tenant_max=own.max_concurrent or defaults.tenant_max_concurrent,
+            rate_per_s=own.rate_per_s or defaults.tenant_rate_per_s,
+            burst=own.burst or defaults.tenant_burst,
+        )
+
+    async def _admit(self, tenant: TenantRecord, job: JobPublic, message: JobMessage) -> None:
+        """Ledger + record in one script, then the queue; a failed enqueue withdraws both."""
+        limits = self._limits(tenant, job)
+        expires_at = message.deadline_at + admission.LEDGER_GRACE_S
+        keys, args = admission.admit_call(job, expires_at, limits, self._settings.job_ttl_s)
+        reply = await self._redis.register_script(admission.ADMIT)(keys=keys, args=args)
+        verdict = admission.verdict(reply)
+        if verdict.refusal is not None:
+            raise _refused(verdict, limits, job, self._settings.admission_retry_after_s)
+        try:
+            # Shielded: a request timing out mid-publish must still withdraw what it admitted.
+            await asyncio.shield(run_in_threadpool(enqueue, self._producer, message))
+        except BaseException:
+            keys, args = admission.withdraw_call(job, limits.burst)
+            with contextlib.suppress(RedisError, OSError):
+                await asyncio.shield(
+                    self._redis.register_script(admission.WITHDRAW)(keys=keys, args=args)
+                )
+            raise
+
+    async def _replay(self, tenant: TenantRecord, reservation: Reservation) -> Admitted:
+        if reservation.conflict:
+            raise ApiError(
+                409,
+                ErrorCode.IDEMPOTENCY_CONFLICT,
+                "This Idempotency-Key was used with a different request body "
+                f"(job {reservation.job_id}). Use a new key for a new request.",
+            )
+        job = await job_store.get_job(self._redis, reservation.job_id, tenant.name)
+        if job is None:
+            raise ApiError(
+                409,
+                ErrorCode.IDEMPOTENCY_CONFLICT,
+                f"This Idempotency-Key belongs to job {reservation.job_id}, whose record has "
+                "expired. Use a new key.",
+            )
+        return Admitted(job=job, replayed=True)
+
+
+def _refused(
+    verdict: admission.Verdict, limits: admission.Limits, job: JobPublic, retry_after_s: int
+) -> ApiError:
+    refusal = verdict.refusal
+    assert refusal is not None
+    if refusal == admission.Refusal.RATE:
+        retry = max(1, math.ceil(verdict.retry_after_s))
+        what = f"tenant {job.tenant!r} is over its rate of {limits.rate_per_s:g} jobs/s"
+    elif refusal == admission.Refusal.TENANT:
+        retry = retry_after_s
+        what = f"tenant {job.tenant!r} already has {limits.tenant_max} unfinished jobs"
+    else:
+        retry = retry_after_s
+        what = f"the {job.tier.value} tier already holds {limits.tier_max} unfinished jobs"
+    return ApiError(
+        429,
+        admission.REFUSAL_CODES[refusal],
+        f"The job was not accepted: {what}. Nothing was enqueued; retry after {retry} s.",
+        headers={"Retry-After": str(retry)},
+    )
