@@ -12,10 +12,6 @@ from contracts.errors import ErrorBody, ErrorCode
 from gateway.errors import error_response
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class BodyLimit:
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self._app = app
@@ -37,25 +33,28 @@ class BodyLimit:
             await error_response(413, self._refusal())(scope, receive, send)
             return
         seen = 0
-        started = False
+        refused = started = False
 
         async def counted() -> Message:
-            nonlocal seen
+            # Over the limit: answer 413 now and tell the app the client left, so it stops
+            # reading; whatever it answers after that is dropped.
+            nonlocal seen, refused
+            if seen > self._max_bytes:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self._max_bytes:
-                    raise BodyTooLarge
+                    if not started:
+                        refused = True
+                        await error_response(413, self._refusal())(scope, receive, send)
+                    return {"type": "http.disconnect"}
             return message
 
-        async def tracked(message: Message) -> None:
+        async def unless_refused(message: Message) -> None:
             nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+            if not refused:
+                started = True
+                await send(message)
 
-        try:
-            await self._app(scope, counted, tracked)
-        except BodyTooLarge:
-            if started:
-                raise
-            await error_response(413, self._refusal())(scope, receive, send)
+        await self._app(scope, counted, unless_refused)

@@ -278,8 +278,7 @@ def keys_list(tenant: Annotated[str, typer.Argument()]) -> None:
     for key in keys:
         expires = key.expires_at.isoformat() if key.expires_at else "-"
         console.print(
-            f"{key.key_id}\t{key.prefix}\tcreated {key.created_at.isoformat()}\t"
-            f"expires {expires}",
+            f"{key.key_id}\t{key.prefix}\tcreated {key.created_at.isoformat()}\texpires {expires}",
             highlight=False,
         )
 

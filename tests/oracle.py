@@ -40,3 +40,14 @@ class PeftOracle:
                 pad_token_id=self._tokenizer.pad_token_id,
             )
         return tuple(out[0, ids.shape[1] :].tolist())
+
+    def decode(self, tokens: tuple[int, ...] | list[int]) -> str:
+        """The text of ``tokens`` as the engine detokenizes it: special tokens dropped, and
+        an incomplete UTF-8 character at the end (byte-level BPE) held back, not replaced."""
+        text: str = self._tokenizer.decode(list(tokens), skip_special_tokens=True)
+        return text.rstrip("\ufffd")
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s tokens without special tokens added (as a rendered chat prompt)."""
+        ids: list[int] = self._tokenizer(text, add_special_tokens=False).input_ids
+        return ids

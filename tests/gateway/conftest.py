@@ -1,0 +1,93 @@
+"""A private gateway for admission tests: in this process, on its own Redis database.
+
+No worker consumes that database, so admitted jobs stay admitted while a test counts them;
+the registry and the base-model cards are copied from the session's database.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import uvicorn
+from redis import Redis
+
+from contracts.keys import ADAPTERS_INDEX
+from contracts.registry import AdapterRecord
+from contracts.tenants import ALL_ADAPTERS, TenantLimits
+from gateway.app import create_app
+from gateway.config import GatewaySettings
+from lorafleet.processes import free_port
+from lorafleet.stack import LocalStack
+from lorafleet.tenants import Tenants
+
+PRIVATE_DB = 1
+
+
+@contextmanager
+def serving(settings: GatewaySettings) -> Iterator[str]:
+    """The gateway app under uvicorn on a free port, in a thread; yields its base URL."""
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(settings), host="127.0.0.1", port=port, log_level="warning", lifespan="on"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="private-gateway", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "gateway did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture
+def private_redis(stack: LocalStack, published: dict[str, AdapterRecord]) -> Iterator[Redis]:
+    """Database ``PRIVATE_DB``, emptied, holding the session's registry and model cards."""
+    source = stack.redis()
+    private = Redis.from_url(_url(stack, PRIVATE_DB), decode_responses=True)
+    private.flushdb()
+    for pattern in ("lorafleet:adapter:*", "lorafleet:base:*", "lorafleet:tokenizer:*"):
+        for key in source.scan_iter(pattern):
+            private.set(key, source.get(key))  # type: ignore[arg-type]
+    private.sadd(ADAPTERS_INDEX, *published)
+    yield private
+    private.flushdb()
+    private.close()
+
+
+def _url(stack: LocalStack, db: int) -> str:
+    return stack.redis_url.rsplit("/", 1)[0] + f"/{db}"
+
+
+@pytest.fixture
+def private_gateway(stack: LocalStack, private_redis: Redis) -> Callable[..., Any]:
+    """``private_gateway(**settings)``: a context manager serving a gateway on the private
+    database with those settings."""
+
+    def start(**overrides: Any) -> Any:
+        options: dict[str, Any] = {"redis_url": _url(stack, PRIVATE_DB)} | overrides
+        return serving(GatewaySettings(**options))
+
+    return start
+
+
+@pytest.fixture
+def tenant_key(private_redis: Redis) -> Callable[..., str]:
+    """``tenant_key(name, **limits)``: a new tenant granted every adapter; its key."""
+
+    def make(name: str, **limits: Any) -> str:
+        tenants = Tenants(private_redis)
+        _, key = tenants.create(name, TenantLimits(**limits))
+        tenants.grant(name, ALL_ADAPTERS)
+        return key
+
+    return make

@@ -1,0 +1,271 @@
+"""Admission control through HTTP against a gateway with real Redis: limits are exact under
+concurrency, refusals leave nothing behind, and nothing is admitted that was not enqueued."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+from redis import Redis
+
+from contracts.keys import rate_key, tenant_ledger_key, tier_ledger_key
+from contracts.queues import Tier, queue_for
+from contracts.registry import AdapterRecord
+from lorafleet.client import auth_headers
+
+
+def _cold(published: dict[str, AdapterRecord]) -> str:
+    return next(r.alias for r in published.values() if r.tier == Tier.COLD)
+
+
+def _job(adapter: str, prompt: str = "hello") -> dict[str, Any]:
+    return {"adapter": adapter, "prompt": prompt, "sampling": {"max_tokens": 4}}
+
+
+def _state(redis: Redis, tenant: str) -> dict[str, int]:
+    """Everything an admission leaves behind."""
+    return {
+        "records": len(list(redis.scan_iter("lorafleet:job:*"))),
+        "tier_ledger": int(redis.zcard(tier_ledger_key(Tier.COLD.value))),  # type: ignore[arg-type]
+        "tenant_ledger": int(redis.zcard(tenant_ledger_key(tenant))),  # type: ignore[arg-type]
+        "queued": int(redis.llen(queue_for(Tier.COLD))),  # type: ignore[arg-type]
+    }
+
+
+async def _submit_all(url: str, key: str, bodies: list[dict[str, Any]], **kw: Any) -> list[Any]:
+    async with httpx.AsyncClient(base_url=url, headers=auth_headers(key), timeout=30) as http:
+        return list(await asyncio.gather(*(http.post("/v1/jobs", json=b, **kw) for b in bodies)))
+
+
+def test_fifty_concurrent_submissions_against_a_limit_of_twenty_admit_exactly_twenty(
+    private_gateway: Callable[..., Any],
+    tenant_key: Callable[..., str],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    key = tenant_key("acme", max_concurrent=20)
+    with private_gateway() as url:
+        answers = asyncio.run(_submit_all(url, key, [_job(_cold(published))] * 50))
+        admitted = [a for a in answers if a.status_code == 202]
+        refused = [a for a in answers if a.status_code == 429]
+        assert len(admitted) == 20 and len(refused) == 30, [a.status_code for a in answers]
+        for answer in refused:
+            error = answer.json()["error"]
+            assert error["code"] == "tenant_concurrency_exceeded"
+            assert "20 unfinished jobs" in error["message"]
+            assert int(answer.headers["Retry-After"]) >= 1
+        assert _state(private_redis, "acme") == {
+            "records": 20,
+            "tier_ledger": 20,
+            "tenant_ledger": 20,
+            "queued": 20,
+        }
+        # Every terminal state releases the slot: cancel them all, the ledgers empty.
+        with httpx.Client(base_url=url, headers=auth_headers(key)) as http:
+            for answer in admitted:
+                assert http.delete(f"/v1/jobs/{answer.json()['id']}").status_code == 200
+            assert _state(private_redis, "acme")["tenant_ledger"] == 0
+            assert _state(private_redis, "acme")["tier_ledger"] == 0
+            assert http.post("/v1/jobs", json=_job(_cold(published))).status_code == 202
+
+
+def test_tier_limit_refuses_with_its_own_code(
+    private_gateway: Callable[..., Any],
+    tenant_key: Callable[..., str],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    key = tenant_key("acme")
+    with (
+        private_gateway(max_admitted_cold=3) as url,
+        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
+    ):
+        codes = [http.post("/v1/jobs", json=_job(_cold(published))).status_code for _ in range(4)]
+        assert codes == [202, 202, 202, 429]
+        refused = http.post("/v1/jobs", json=_job(_cold(published)))
+        assert refused.json()["error"]["code"] == "tier_limit_exceeded"
+        assert "cold tier" in refused.json()["error"]["message"]
+        assert refused.headers["Retry-After"] == "1"
+        # Another tier has its own budget.
+        hot = next(r.alias for r in published.values() if r.tier == Tier.HOT)
+        assert http.post("/v1/jobs", json=_job(hot)).status_code == 202
+    assert _state(private_redis, "acme")["tier_ledger"] == 3
+
+
+def test_rate_limit_refuses_past_the_burst_with_retry_after(
+    private_gateway: Callable[..., Any],
+    tenant_key: Callable[..., str],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    key = tenant_key("acme", rate_per_s=0.2, burst=3)
+    with private_gateway() as url, httpx.Client(base_url=url, headers=auth_headers(key)) as http:
+        codes = [http.post("/v1/jobs", json=_job(_cold(published))).status_code for _ in range(4)]
+        assert codes == [202, 202, 202, 429]
+        refused = http.post("/v1/jobs", json=_job(_cold(published)))
+        error = refused.json()["error"]
+        assert error["code"] == "tenant_rate_exceeded"
+        assert "0.2 jobs/s" in error["message"]
+        # One token every 5 s: the caller is told to come back within that.
+        assert 1 <= int(refused.headers["Retry-After"]) <= 5
+    assert _state(private_redis, "acme")["records"] == 3
+
+
+@contextmanager
+def _black_hole() -> Iterator[int]:
+    """A port that accepts connections and never answers (a hung Redis)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        for conn in accepted:
+            conn.close()
+        server.close()
+
+
+def test_queue_unreachable_is_503_and_leaves_no_ledger_entry_record_or_token(
+    private_gateway: Callable[..., Any],
+    tenant_key: Callable[..., str],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    key = tenant_key("acme", rate_per_s=0.01, burst=2)
+    with (
+        _black_hole() as port,
+        private_gateway(broker_url=f"redis://127.0.0.1:{port}/0", redis_timeout_s=1.0) as url,
+        httpx.Client(base_url=url, headers=auth_headers(key), timeout=20) as http,
+    ):
+        for _ in range(3):  # more than the burst: a refused job gives its token back
+            response = http.post("/v1/jobs", json=_job(_cold(published)))
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["code"] == "service_unavailable"
+            assert "Nothing was enqueued" in response.json()["error"]["message"]
+            assert response.headers["Retry-After"] == "2"
+    assert _state(private_redis, "acme") == {
+        "records": 0,
+        "tier_ledger": 0,
+        "tenant_ledger": 0,
+        "queued": 0,
+    }
+    assert float(private_redis.hget(rate_key("acme"), "tokens") or 0) > 1  # type: ignore[arg-type]
+
+
+def test_redis_hung_is_503_with_retry_after_within_the_bound(
+    private_gateway: Callable[..., Any], published: dict[str, AdapterRecord]
+) -> None:
+    with (
+        _black_hole() as port,
+        private_gateway(redis_url=f"redis://127.0.0.1:{port}/0", redis_timeout_s=0.5) as url,
+    ):
+        # The client gives up long before a hung call would end on its own; the answer must
+        # come from the gateway's own bound.
+        headers = auth_headers("lf_0123456789ab_anything")
+        with httpx.Client(base_url=url, headers=headers, timeout=15) as http:
+            response = http.post("/v1/jobs", json=_job(_cold(published)))
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "service_unavailable"
+    assert response.headers["Retry-After"] == "2"
+
+
+def test_oversized_body_is_413_before_it_is_read(
+    private_gateway: Callable[..., Any],
+    tenant_key: Callable[..., str],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    key = tenant_key("acme")
+    big = _job(_cold(published), prompt="x" * 5000)
+    with (
+        private_gateway(max_body_bytes=4096) as url,
+        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
+    ):
+        declared = http.post("/v1/jobs", json=big)
+        assert declared.status_code == 413
+        assert declared.json()["error"]["code"] == "payload_too_large"
+        assert "4096 bytes" in declared.json()["error"]["message"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+            body = httpx.Request("POST", url, json=big).content
+            for start in range(0, len(body), 1000):
+                yield body[start : start + 1000]
+
+        chunked = http.post(
+            "/v1/jobs", content=chunks(), headers={"content-type": "application/json"}
+        )
+        assert chunked.status_code == 413
+        assert chunked.json()["error"]["code"] == "payload_too_large"
+        assert http.post("/v1/jobs", json=_job(_cold(published))).status_code == 202
+    assert _state(private_redis, "acme")["records"] == 1
+
+
+def test_idempotency_key_replays_the_same_job_once_even_concurrently(
+    private_gateway: Callable[..., Any],
+    tenant_key: Callable[..., str],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    key = tenant_key("acme")
+    body = _job(_cold(published))
+    with private_gateway() as url:
+        answers = asyncio.run(
+            _submit_all(url, key, [body] * 10, headers={"Idempotency-Key": "order-17"})
+        )
+        assert sorted(a.status_code for a in answers) == [200] * 9 + [202]
+        assert len({a.json()["id"] for a in answers}) == 1
+        with httpx.Client(base_url=url, headers=auth_headers(key)) as http:
+            again = http.post("/v1/jobs", json=body, headers={"Idempotency-Key": "order-17"})
+            assert again.status_code == 200 and again.json()["id"] == answers[0].json()["id"]
+            changed = http.post(
+                "/v1/jobs",
+                json=_job(_cold(published), prompt="something else"),
+                headers={"Idempotency-Key": "order-17"},
+            )
+            assert changed.status_code == 409
+            assert changed.json()["error"]["code"] == "idempotency_conflict"
+            assert answers[0].json()["id"] in changed.json()["error"]["message"]
+    assert _state(private_redis, "acme") == {
+        "records": 1,
+        "tier_ledger": 1,
+        "tenant_ledger": 1,
+        "queued": 1,
+    }
+
+
+def test_idempotency_key_of_a_refused_request_is_free_for_a_retry(
+    private_gateway: Callable[..., Any],
+    tenant_key: Callable[..., str],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    key = tenant_key("acme", max_concurrent=1)
+    with private_gateway() as url, httpx.Client(base_url=url, headers=auth_headers(key)) as http:
+        first = http.post("/v1/jobs", json=_job(_cold(published)))
+        assert first.status_code == 202
+        body = _job(_cold(published), prompt="second")
+        refused = http.post("/v1/jobs", json=body, headers={"Idempotency-Key": "k2"})
+        assert refused.status_code == 429
+        assert http.delete(f"/v1/jobs/{first.json()['id']}").status_code == 200
+        retried = http.post("/v1/jobs", json=body, headers={"Idempotency-Key": "k2"})
+        assert retried.status_code == 202
