@@ -23,12 +23,12 @@ from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
 from contracts.jobs import JobPublic
-from contracts.keys import JOB_EVENTS, worker_key
+from contracts.keys import JOB_EVENTS, tenant_ledger_key, tier_ledger_key, worker_key
 from contracts.queues import Tier, queue_for
 from lorafleet.fixtures import AdapterSpec
 from lorafleet.processes import Child
 from lorafleet.settings import LocalSettings
-from lorafleet.stack import LocalStack
+from lorafleet.stack import DEV_TENANT, LocalStack
 from tests.helpers import job_record, job_when, submit_job
 
 DEADLINE_S = 30
@@ -122,6 +122,11 @@ class Fleet:
     def unacked(self) -> int:
         return sum(int(self.redis.exists(key)) for key in UNACKED)
 
+    def admitted(self) -> dict[str, int]:
+        """Jobs counted against the admission limits (tier and tenant ledgers)."""
+        keys = {"tier": tier_ledger_key(Tier.HOT.value), "tenant": tenant_ledger_key(DEV_TENANT)}
+        return {name: int(self.redis.zcard(key)) for name, key in keys.items()}  # type: ignore[arg-type]
+
 
 @pytest.fixture(scope="module")
 def fleet(
@@ -198,6 +203,8 @@ def test_worker_killed_mid_job_its_jobs_run_again_elsewhere_exactly_once(fleet: 
     events.close()
     assert fleet.unacked() == 0
     assert fleet.redis.llen(QUEUE) == 0
+    # Redelivery released the admission slots once each: the counts are back to zero.
+    assert fleet.admitted() == {"tier": 0, "tenant": 0}
     _replace(fleet, [victim])
 
 
@@ -231,6 +238,7 @@ def test_job_that_kills_its_worker_every_time_stops_after_max_attempts(fleet: Fl
     assert job.result is None
     for job_id in [alongside, *later]:
         assert fleet.wait_finished(job_id).status == "succeeded"
+    assert fleet.admitted() == {"tier": 0, "tenant": 0}
     for worker in fleet.workers():
         fleet.stack.wait_worker(worker)
     assert len(fleet.workers()) == 2
