@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -13,10 +14,10 @@ from contracts.queues import Tier, queue_for
 from contracts.registry import AdapterRecord
 from lorafleet.stack import LocalStack
 from tests.helpers import (
+    LONG_SAMPLING,
     assert_engine_drains,
     fresh_heartbeat,
     hot_alias,
-    job_when,
     paused,
     submit_job,
     wait_job,
@@ -29,17 +30,26 @@ def test_running_job_is_cancelled_and_aborted_in_the_engine(
 ) -> None:
     aborted_before = fresh_heartbeat(redis)["engine_aborted_requests"]
     # A batch, so each long job takes seconds: the cancellation lands mid-generation.
-    batch = [submit_job(api, hot_alias(published))["id"] for _ in range(12)]
-    target = batch[-1]
-    job_when(redis, target, lambda job: job.status == "running")
-    response = api.delete(f"/v1/jobs/{target}")
-    assert response.status_code == 200, response.text
+    batch = [submit_job(api, hot_alias(published))["id"] for _ in range(11)]
+    # The target streams its text, so the test knows it is generating (not merely claimed)
+    # when it cancels; its stream then ends with the cancellation.
+    body = {"model": hot_alias(published), "prompt": "Summarise", "stream": True, **LONG_SAMPLING}
+    with api.stream("POST", "/v1/completions", json=body) as stream:
+        assert stream.status_code == 200
+        target = stream.headers["x-lorafleet-job-id"]
+        events = (line.removeprefix("data: ") for line in stream.iter_lines() if line)
+        assert json.loads(next(events))["choices"][0]["text"]
+        response = api.delete(f"/v1/jobs/{target}")
+        assert response.status_code == 200, response.text
+        *_, error, done = events
+    assert json.loads(error)["error"]["code"] == "cancelled"
+    assert done == "[DONE]"
     cancelled = response.json()
     assert cancelled["status"] == "cancelled"
     assert cancelled["error"]["code"] == "cancelled"
     assert "while running" in cancelled["error"]["message"]
 
-    for job_id in batch[:-1]:
+    for job_id in batch:
         assert wait_job(api, job_id)["status"] == "succeeded"
     # The worker aborted the engine request (its generate call was cancelled), the engine
     # holds nothing, and the worker wrote nothing over the cancellation.
