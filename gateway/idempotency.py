@@ -3,6 +3,9 @@
 The first request reserves the key (``SET NX``) as *pending* with the job id it is about to
 admit, and marks it *done* once the job is enqueued; if admission fails it deletes the key,
 so a retry admits afresh. A duplicate that finds the key pending waits for one of the two.
+A pending reservation lives only ``PENDING_TTL_S``: a gateway that dies mid-admission can't
+block the key for a day (the cost: if it died after enqueueing, a retry after that window
+admits a second job).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from redis.asyncio import Redis
 from contracts.keys import idempotency_key
 
 POLL_S = 0.05
+PENDING_TTL_S = 30
 
 
 class State(StrEnum):
@@ -60,7 +64,7 @@ class IdempotencyKeys:
         earlier request is still admitting it; the caller bounds the wait)."""
         mine = Entry(fingerprint=fingerprint, job_id=job_id, state=State.PENDING)
         while True:
-            if await self._redis.set(self._key, mine.model_dump_json(), nx=True, ex=self._ttl_s):
+            if await self._redis.set(self._key, mine.model_dump_json(), nx=True, ex=PENDING_TTL_S):
                 return Reservation(owned=True, job_id=job_id)
             raw = await self._redis.get(self._key)
             if raw is None:

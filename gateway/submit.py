@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 import uuid
@@ -34,6 +35,8 @@ from gateway.idempotency import IdempotencyKeys, Reservation
 from gateway.models import BaseModels, ChatTemplateError, ServedModel
 from gateway.queue import enqueue
 from gateway.registry import Resolved, resolve
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,13 +82,24 @@ class Submitter:
         """
         try:
             async with asyncio.timeout(self._settings.redis_timeout_s):
-                return await self._submit(tenant, request, idempotency)
+                admitted, reserved = await self._submit(tenant, request, idempotency)
         except (RedisError, OSError, TimeoutError) as exc:
             raise unavailable("Redis or the queue did not answer in time", exc) from exc
+        if reserved is not None and idempotency is not None:
+            # The job is enqueued: answer 202 even if the key can't be marked (it then
+            # expires as pending instead of being remembered for the full TTL).
+            try:
+                async with asyncio.timeout(self._settings.redis_timeout_s):
+                    await reserved.done(idempotency.fingerprint, admitted.job.id)
+            except (RedisError, OSError, TimeoutError) as exc:
+                log.warning("idempotency key of job %s not marked done: %s", admitted.job.id, exc)
+        return admitted
 
     async def _submit(
         self, tenant: TenantRecord, request: Submission, idempotency: Idempotency | None
-    ) -> Admitted:
+    ) -> tuple[Admitted, IdempotencyKeys | None]:
+        """The admitted job, and the idempotency reservation to mark done if this request
+        made one."""
         resolved = await self._resolve(tenant, request.adapter)
         deadline_s = self._deadline_s(request)
         model = await self._models.get(resolved.record.base_model.digest)
@@ -100,19 +114,18 @@ class Submitter:
             )
             reservation = await keys.reserve(idempotency.fingerprint, job_id)
             if not reservation.owned:
-                return await self._replay(tenant, reservation)
+                return await self._replay(tenant, reservation), None
         try:
-            job, message = self._job(tenant, resolved, request, job_id, deadline_s, prompt)
-            message = message.model_copy(update={"add_special_tokens": add_special_tokens})
+            job, message = self._job(
+                tenant, resolved, request, job_id, deadline_s, prompt, add_special_tokens
+            )
             await self._admit(tenant, job, message)
         except BaseException:
             if keys is not None:
                 with contextlib.suppress(RedisError, OSError):
                     await asyncio.shield(keys.release())
             raise
-        if keys is not None and idempotency is not None:
-            await keys.done(idempotency.fingerprint, job_id)
-        return Admitted(job=job, replayed=False)
+        return Admitted(job=job, replayed=False), keys
 
     async def _resolve(self, tenant: TenantRecord, name: str) -> Resolved:
         resolved = await resolve(self._redis, name, tenant.name)
@@ -209,6 +222,7 @@ class Submitter:
         job_id: str,
         deadline_s: float,
         prompt: str,
+        add_special_tokens: bool,
     ) -> tuple[JobPublic, JobMessage]:
         record = resolved.record
         accepted_at = time.time()
@@ -233,6 +247,7 @@ class Submitter:
             base_model=record.base_model,
             tier=record.tier,
             prompt=prompt,
+            add_special_tokens=add_special_tokens,
             stream=request.stream,
             sampling=request.sampling,
             accepted_at=accepted_at,

@@ -100,7 +100,9 @@ def test_stack_up_detached_serves_a_published_adapter_then_stack_down_stops_it(
         up = _cli(["stack", "up", "--detach"], env)
         assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
         stack = json.loads((state / "stack.json").read_text())
-        assert {"gateway_url", "redis_url", "s3_endpoint_url", "bucket", "model"} <= set(stack)
+        assert {"gateway_url", "api_key", "redis_url", "s3_endpoint_url", "bucket", "model"} <= set(
+            stack
+        )
         assert set(stack["pids"]) == {"redis", "s3", "gateway", "worker"}
 
         published = _cli(
@@ -203,3 +205,48 @@ def test_registry_commands_show_retire_and_move_channels(
     assert refused.returncode == 1 and "adapter_retired" in refused.stdout
     unknown = _cli(["adapters", "show", "cli-never"], env)
     assert unknown.returncode == 1 and "adapter_not_found" in unknown.stdout
+
+
+def test_tenant_key_and_grant_commands(
+    infra: LocalStack,
+    fixtures_dir: Path,
+    tmp_path: Path,
+    gateway_url: str,
+    published: dict[str, AdapterRecord],
+) -> None:
+    env = _infra_env(infra, tmp_path / "state", fixtures_dir)
+    created = _cli(["tenants", "create", "cli-tenant", "--max-concurrent", "7"], env)
+    assert created.returncode == 0, created.stdout + created.stderr
+    key = created.stdout.split()[0]
+    assert key.startswith("lf_") and "never shown again" in created.stdout
+    alias = sorted(published)[0]
+    assert _cli(["grants", "add", "cli-tenant", alias], env).returncode == 0
+    assert _cli(["grants", "list", "cli-tenant"], env).stdout.split() == [alias]
+    assert "max_concurrent 7" in _cli(["tenants", "list"], env).stdout
+
+    listed = _cli(["keys", "list", "cli-tenant"], env).stdout
+    key_id = listed.split()[0]
+    assert key.startswith(f"lf_{key_id}_") and key not in listed
+    with httpx.Client(base_url=gateway_url, headers={"Authorization": f"Bearer {key}"}) as api:
+        assert [m["id"] for m in api.get("/v1/models").json()["data"]] == [alias]
+        rotated = _cli(["keys", "rotate", "cli-tenant", key_id], env)
+        assert rotated.returncode == 0, rotated.stdout
+        assert api.get("/v1/models").status_code == 401
+        new_key = rotated.stdout.split()[0]
+        new_id = _cli(["keys", "list", "cli-tenant"], env).stdout.split()[0]
+        auth = {"Authorization": f"Bearer {new_key}"}
+        assert api.get("/v1/models", headers=auth).status_code == 200
+        assert _cli(["keys", "revoke", "cli-tenant", new_id], env).returncode == 0
+        assert api.get("/v1/models", headers=auth).status_code == 401
+
+    refusals = {
+        "tenant_exists": ["tenants", "create", "cli-tenant"],
+        "name_invalid": ["tenants", "create", "Not A Name"],
+        "tenant_not_found": ["grants", "list", "cli-nobody"],
+        "key_not_found": ["keys", "revoke", "cli-tenant", "000000000000"],
+        "adapter_not_found": ["grants", "add", "cli-tenant", "cli-no-such-adapter"],
+    }
+    for code, args in refusals.items():
+        refused = _cli(args, env)
+        assert refused.returncode == 1 and code in refused.stdout, (args, refused.stdout)
+    assert _cli(["grants", "list", "cli-tenant"], env).stdout.split() == [alias]

@@ -1,0 +1,81 @@
+"""The admission ledger scripts, run by a real Redis (the session's Valkey)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import UTC, datetime
+
+from redis import Redis
+
+from contracts import admission
+from contracts.job_records import ADVANCE, advance_call
+from contracts.jobs import JobPublic, JobStatus
+from contracts.keys import job_key, rate_key, tenant_ledger_key, tier_ledger_key
+from contracts.queues import Tier
+
+LIMITS = admission.Limits(tier_max=100, tenant_max=2, rate_per_s=1000.0, burst=1000)
+
+
+def _job(tenant: str) -> JobPublic:
+    return JobPublic(
+        id=uuid.uuid4().hex,
+        status=JobStatus.QUEUED,
+        tenant=tenant,
+        adapter="a",
+        revision="sha256:" + "0" * 64,
+        tier=Tier.WARM,
+        queue="lorafleet.warm",
+        created_at=datetime.now(tz=UTC),
+    )
+
+
+def _admit(redis: Redis, job: JobPublic, expires_at: float) -> admission.Verdict:
+    keys, args = admission.admit_call(job, expires_at, LIMITS, 60)
+    return admission.verdict(redis.register_script(admission.ADMIT)(keys=keys, args=args))
+
+
+def _held(redis: Redis, tenant: str) -> int:
+    return int(redis.zcard(tenant_ledger_key(tenant)))  # type: ignore[arg-type]
+
+
+def test_terminal_write_releases_once_and_the_count_never_goes_negative(redis: Redis) -> None:
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    first, second = _job(tenant), _job(tenant)
+    assert _admit(redis, first, time.time() + 60).refusal is None
+    assert _admit(redis, second, time.time() + 60).refusal is None
+    assert _admit(redis, _job(tenant), time.time() + 60).refusal == admission.Refusal.TENANT
+    assert redis.hget(job_key(first.id), "status") == "queued"
+
+    done = first.model_copy(update={"status": JobStatus.SUCCEEDED})
+    for _ in range(3):  # redelivered outcomes: only the first is written, released once
+        keys, args = advance_call(done, 60)
+        redis.register_script(ADVANCE)(keys=keys, args=args)
+    assert _held(redis, tenant) == 1
+    keys, args = admission.withdraw_call(first, LIMITS.burst)
+    redis.register_script(admission.WITHDRAW)(keys=keys, args=args)
+    assert _held(redis, tenant) == 1  # withdrawing a finished job releases nothing more
+    assert redis.zscore(tier_ledger_key(Tier.WARM.value), second.id) is not None
+
+
+def test_an_entry_past_its_expiry_stops_counting(redis: Redis) -> None:
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    stale = [_job(tenant), _job(tenant)]
+    for job in stale:  # jobs that will never finish (no worker, record expired...)
+        assert _admit(redis, job, time.time() - 1).refusal is None
+    assert _admit(redis, _job(tenant), time.time() + 60).refusal is None
+    assert _held(redis, tenant) == 1
+
+
+def test_withdraw_refunds_the_rate_token_once(redis: Redis) -> None:
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    job = _job(tenant)
+    assert _admit(redis, job, time.time() + 60).refusal is None
+    spent = float(redis.hget(rate_key(tenant), "tokens"))  # type: ignore[arg-type]
+    keys, args = admission.withdraw_call(job, LIMITS.burst)
+    for _ in range(2):
+        redis.register_script(admission.WITHDRAW)(keys=keys, args=args)
+    refunded = float(redis.hget(rate_key(tenant), "tokens"))  # type: ignore[arg-type]
+    assert refunded == spent + 1
+    assert not redis.exists(job_key(job.id))
+    assert _held(redis, tenant) == 0
