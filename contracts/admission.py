@@ -16,9 +16,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from contracts.batches import BatchLine, BatchRecord
 from contracts.errors import ErrorCode
 from contracts.jobs import JobPublic
-from contracts.keys import job_key, rate_key, tenant_ledger_key, tier_ledger_key
+from contracts.keys import (
+    batch_jobs_key,
+    batch_key,
+    job_key,
+    rate_key,
+    tenant_ledger_key,
+    tier_ledger_key,
+)
+from contracts.queues import Tier
 
 LEDGER_GRACE_S = 60.0
 """A job still unfinished this long after its deadline no longer counts against limits."""
@@ -118,3 +127,134 @@ def withdraw_call(job: JobPublic, burst: int) -> tuple[list[str], list[str | int
 def verdict(reply: list[str]) -> Verdict:
     kind, retry = str(reply[0]), float(reply[1])
     return Verdict(None if kind == "admitted" else Refusal(kind), retry)
+
+
+ADMIT_BATCH = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+-- KEYS: 1 tenant ledger, 2 rate bucket, 3 batch hash, 4 batch lines, 5.. tier ledgers (hot,
+-- warm, cold), 8.. one job key per job. ARGV: 1 tenant max, 2 rate, 3 burst, 4..6 tier
+-- maxima, 7 expiry, 8 ttl, 9 batch record, 10 batch webhook url, 11 tenant, 12 total, then per
+-- job: id, tier index (0..2), record, line.
+local tiers = {KEYS[5], KEYS[6], KEYS[7]}
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local wanted = {0, 0, 0}
+local total = tonumber(ARGV[12])
+for i = 0, total - 1 do
+  local tier = tonumber(ARGV[13 + i * 4 + 1]) + 1
+  wanted[tier] = wanted[tier] + 1
+end
+for tier = 1, 3 do
+  if wanted[tier] > 0 then
+    redis.call('ZREMRANGEBYSCORE', tiers[tier], '-inf', now)
+    if redis.call('ZCARD', tiers[tier]) + wanted[tier] > tonumber(ARGV[3 + tier]) then
+      return {'tier', tostring(tier - 1)}
+    end
+  end
+end
+if redis.call('ZCARD', KEYS[1]) + total > tonumber(ARGV[1]) then return {'tenant', '0'} end
+local rate, burst = tonumber(ARGV[2]), tonumber(ARGV[3])
+local bucket = redis.call('HMGET', KEYS[2], 'tokens', 'at')
+local tokens = tonumber(bucket[1]) or burst
+local at = tonumber(bucket[2]) or now
+tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
+if tokens < 1 then return {'rate', tostring((1 - tokens) / rate)} end
+redis.call('HSET', KEYS[2], 'tokens', tostring(tokens - 1), 'at', tostring(now))
+redis.call('EXPIRE', KEYS[2], math.ceil(burst / rate) + 1)
+for i = 0, total - 1 do
+  local base = 13 + i * 4
+  local id, tier = ARGV[base], tonumber(ARGV[base + 1]) + 1
+  redis.call('ZADD', tiers[tier], ARGV[7], id)
+  redis.call('ZADD', KEYS[1], ARGV[7], id)
+  redis.call('HSET', KEYS[8 + i], 'status', 'queued', 'record', ARGV[base + 2], 'attempts', 0)
+  redis.call('EXPIRE', KEYS[8 + i], ARGV[8])
+  redis.call('RPUSH', KEYS[4], ARGV[base + 3])
+end
+redis.call('HSET', KEYS[3], 'record', ARGV[9], 'tenant', ARGV[11], 'total', total,
+           'finished', 0, 'succeeded', 0, 'failed', 0, 'cancelled', 0)
+if ARGV[10] ~= '' then redis.call('HSET', KEYS[3], 'webhook', ARGV[10]) end
+redis.call('EXPIRE', KEYS[3], ARGV[8])
+redis.call('EXPIRE', KEYS[4], ARGV[8])
+return {'admitted', '0'}
+"""
+"""Admit every job of a batch or none: each tier's and the tenant's limit must hold them
+all; the batch takes one token of the rate bucket (it is one request)."""
+
+WITHDRAW_BATCH = """
+-- KEYS: 1 tenant ledger, 2 rate bucket, 3 batch hash, 4 batch lines, 5..7 tier ledgers,
+-- 8.. job keys. ARGV: 1 burst, 2.. job ids.
+if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+for i = 2, #ARGV do
+  redis.call('ZREM', KEYS[1], ARGV[i])
+  for tier = 5, 7 do redis.call('ZREM', KEYS[tier], ARGV[i]) end
+  redis.call('DEL', KEYS[6 + i])
+end
+redis.call('DEL', KEYS[3], KEYS[4])
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  local tokens = tonumber(redis.call('HGET', KEYS[2], 'tokens')) or 0
+  redis.call('HSET', KEYS[2], 'tokens', tostring(math.min(tonumber(ARGV[1]), tokens + 1)))
+end
+return 1
+"""
+"""Undo a batch whose enqueue failed: no records, no ledger entries, no batch, token back.
+Messages already published find no record and are dropped by the workers."""
+
+TIER_ORDER: tuple[Tier, ...] = (Tier.HOT, Tier.WARM, Tier.COLD)
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    tenant_max: int
+    rate_per_s: float
+    burst: int
+    tier_max: dict[Tier, int]
+
+
+def _batch_keys(batch_id: str, tenant: str, jobs: list[JobPublic]) -> list[str]:
+    return [
+        tenant_ledger_key(tenant),
+        rate_key(tenant),
+        batch_key(batch_id),
+        batch_jobs_key(batch_id),
+        *(tier_ledger_key(tier.value) for tier in TIER_ORDER),
+        *(job_key(job.id) for job in jobs),
+    ]
+
+
+def admit_batch_call(
+    batch: BatchRecord,
+    jobs: list[JobPublic],
+    lines: list[BatchLine],
+    expires_at: float,
+    limits: BatchLimits,
+    ttl_s: int,
+) -> tuple[list[str], list[str | int | float]]:
+    args: list[str | int | float] = [
+        limits.tenant_max,
+        repr(limits.rate_per_s),
+        limits.burst,
+        *(limits.tier_max[tier] for tier in TIER_ORDER),
+        repr(expires_at),
+        ttl_s,
+        batch.model_dump_json(),
+        batch.webhook.url if batch.webhook else "",
+        batch.tenant,
+        len(jobs),
+    ]
+    for job, line in zip(jobs, lines, strict=True):
+        args += [job.id, TIER_ORDER.index(job.tier), job.model_dump_json(), line.model_dump_json()]
+    return _batch_keys(batch.id, batch.tenant, jobs), args
+
+
+def withdraw_batch_call(
+    batch: BatchRecord, jobs: list[JobPublic], burst: int
+) -> tuple[list[str], list[str | int | float]]:
+    return _batch_keys(batch.id, batch.tenant, jobs), [burst, *(job.id for job in jobs)]
+
+
+def batch_verdict(reply: list[str]) -> tuple[Verdict, Tier | None]:
+    """The verdict, and for a tier refusal the tier that had no room."""
+    kind = str(reply[0])
+    if kind == "tier":
+        return Verdict(Refusal.TIER), TIER_ORDER[int(reply[1])]
+    return verdict(reply), None

@@ -25,6 +25,11 @@ class ErrorCode(StrEnum):
     PROMPT_TOO_LONG = "prompt_too_long"
     IDEMPOTENCY_CONFLICT = "idempotency_conflict"
     UNSUPPORTED_PARAMETER = "unsupported_parameter"
+    WEBHOOK_URL_FORBIDDEN = "webhook_url_forbidden"
+    BATCH_INVALID = "batch_invalid"
+    BATCH_TOO_LARGE = "batch_too_large"
+    BATCH_NOT_FOUND = "batch_not_found"
+    FILE_NOT_FOUND = "file_not_found"
     TIMEOUT = "timeout"
     # Execution (worker): the job ends failed, generation never ran on other weights
     ADAPTER_INTEGRITY = "adapter_integrity"

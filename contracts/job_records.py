@@ -8,9 +8,12 @@ Every change goes through ``ADVANCE``, a compare-and-set that
 - never resurrects a record that expired or was never created;
 - optionally requires the ``attempts`` counter to still hold the value the writer read, so two
   writers racing on one job (a gateway cancelling it, a worker claiming it) can't both win;
-- when the job becomes terminal, and only then, removes it from the admission ledgers
-  (``contracts.admission``) and publishes its id on ``JOB_EVENTS`` (waiters wake); on
-  ``JOB_CANCELS`` too when it becomes cancelled (the worker running it aborts it).
+- when the job becomes terminal, and only then: removes it from the admission ledgers
+  (``contracts.admission``); creates its webhook event and schedules its first delivery
+  attempt, if it has a webhook; counts it in its batch, and creates the batch's webhook event
+  when it is the batch's last job; publishes its id on ``JOB_EVENTS`` (waiters wake), and on
+  ``JOB_CANCELS`` when it becomes cancelled (the worker running it aborts it). So every
+  effect of a job's outcome happens exactly once, however often the job is delivered.
 """
 
 from __future__ import annotations
@@ -18,11 +21,37 @@ from __future__ import annotations
 from enum import IntEnum
 
 from contracts.jobs import TERMINAL_STATUSES, JobPublic, JobStatus
-from contracts.keys import JOB_CANCELS, JOB_EVENTS, job_key, tenant_ledger_key, tier_ledger_key
+from contracts.keys import (
+    JOB_CANCELS,
+    JOB_EVENTS,
+    WEBHOOKS_DUE,
+    batch_key,
+    job_key,
+    tenant_ledger_key,
+    tier_ledger_key,
+    webhook_event_key,
+)
+from contracts.webhooks import batch_event_id, job_event_id
+
+NO_KEY = "lorafleet:none"
+"""Placeholder for a key a call does not touch (no webhook, no batch)."""
+
+CREATE_EVENT_LUA = """
+local function create_event(ekey, due, evt, url, tenant, kind, subject, ttl, now)
+  if redis.call('EXISTS', ekey) == 1 then return end
+  redis.call('HSET', ekey, 'url', url, 'tenant', tenant, 'kind', kind, 'subject', subject,
+             'state', 'pending', 'attempts', 0, 'created_at', now)
+  redis.call('EXPIRE', ekey, ttl)
+  redis.call('ZADD', due, now, evt)
+end
+"""
+"""Lua: create a webhook event once and make it due now (used on terminal transitions)."""
 
 _TERMINAL_LUA = " or ".join(f"s == '{status.value}'" for status in sorted(TERMINAL_STATUSES))
 
-ADVANCE = f"""
+ADVANCE = (
+    CREATE_EVENT_LUA
+    + f"""
 local function terminal(s) return {_TERMINAL_LUA} end
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return -1 end
@@ -36,11 +65,28 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 if terminal(ARGV[1]) then
   redis.call('ZREM', KEYS[4], ARGV[6])
   redis.call('ZREM', KEYS[5], ARGV[6])
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+  if ARGV[7] ~= '' then
+    create_event(KEYS[6], KEYS[7], ARGV[9], ARGV[7], ARGV[8], 'job', ARGV[6], ARGV[3], now)
+  end
+  if ARGV[10] ~= '' and redis.call('EXISTS', KEYS[8]) == 1 then
+    local finished = redis.call('HINCRBY', KEYS[8], 'finished', 1)
+    redis.call('HINCRBY', KEYS[8], ARGV[1], 1)
+    if finished == tonumber(redis.call('HGET', KEYS[8], 'total')) then
+      redis.call('HSET', KEYS[8], 'completed_at', now)
+      local url = redis.call('HGET', KEYS[8], 'webhook')
+      if url then
+        create_event(KEYS[9], KEYS[7], ARGV[11], url, ARGV[8], 'batch', ARGV[10], ARGV[3], now)
+      end
+    end
+  end
   redis.call('PUBLISH', KEYS[2], ARGV[6])
 end
 if ARGV[1] == '{JobStatus.CANCELLED.value}' then redis.call('PUBLISH', KEYS[3], ARGV[6]) end
 return 1
 """
+)
 
 
 class Advance(IntEnum):
@@ -65,6 +111,10 @@ def advance_call(
         JOB_CANCELS,
         tier_ledger_key(job.tier.value),
         tenant_ledger_key(job.tenant),
+        webhook_event_key(job_event_id(job.id)) if job.webhook else NO_KEY,
+        WEBHOOKS_DUE,
+        batch_key(job.batch) if job.batch else NO_KEY,
+        webhook_event_key(batch_event_id(job.batch)) if job.batch else NO_KEY,
     ]
     args: list[str | int] = [
         job.status.value,
@@ -73,5 +123,10 @@ def advance_call(
         "" if expect_attempts is None else str(expect_attempts),
         str(job.attempts),
         job.id,
+        job.webhook.url if job.webhook else "",
+        job.tenant,
+        job_event_id(job.id),
+        job.batch or "",
+        batch_event_id(job.batch) if job.batch else "",
     ]
     return keys, args

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from contracts.errors import ErrorBody
 from contracts.queues import Tier
 from contracts.registry import SLUG_PATTERN, BaseModelRef
+from contracts.webhooks import WebhookStatus, WebhookTarget
 
 MAX_PROMPT_CHARS = 100_000
 MAX_STOP_SEQUENCES = 8
@@ -52,6 +53,9 @@ class JobCreate(BaseModel):
         gt=0,
         description="seconds from admission until the job fails with deadline_exceeded; "
         "at most the fleet's limit, which is also the default",
+    )
+    webhook: WebhookTarget | None = Field(
+        default=None, description="POST the job here, signed, once it reaches a terminal state"
     )
 
 
@@ -167,6 +171,11 @@ class JobPublic(BaseModel):
         default=0, description="deliveries that started running it (more than one after a crash)"
     )
     worker: str | None = Field(default=None, description="worker running or last running it")
+    batch: str | None = Field(default=None, description="the batch it belongs to, if any")
+    webhook: WebhookTarget | None = None
+    webhook_delivery: WebhookStatus | None = Field(
+        default=None, description="how the webhook call is going (once the job has finished)"
+    )
     result: JobResult | None = None
     error: ErrorBody | None = None
     metadata: ResultMetadata | None = None

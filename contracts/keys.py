@@ -112,3 +112,32 @@ def tokenizer_key(sha256: str) -> str:
 def stream_key(job_id: str) -> str:
     """Redis stream of a streaming job's text deltas, in order, per attempt."""
     return f"{PREFIX}:stream:{job_id}"
+
+
+def webhook_event_key(event_id: str) -> str:
+    """Hash: one callback event's target and delivery state (``contracts.webhooks``)."""
+    return f"{PREFIX}:webhook:{event_id}"
+
+
+WEBHOOKS_DUE = f"{PREFIX}:webhooks-due"
+"""Sorted set ``event id -> unix time of its next attempt`` (a lease while one runs)."""
+
+
+def webhook_secrets_key(tenant: str) -> str:
+    """JSON list of a tenant's live signing secrets, newest first."""
+    return f"{PREFIX}:webhook-secrets:{tenant}"
+
+
+def batch_key(batch_id: str) -> str:
+    """Hash: a batch's record and its counts by terminal status."""
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def batch_jobs_key(batch_id: str) -> str:
+    """List of a batch's job ids, in submission order."""
+    return f"{PREFIX}:batch:{batch_id}:jobs"
+
+
+def file_key(file_id: str) -> str:
+    """Hash ``{meta, content}`` of an uploaded file (OpenAI's Files API, purpose ``batch``)."""
+    return f"{PREFIX}:file:{file_id}"

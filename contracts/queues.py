@@ -23,3 +23,7 @@ def queue_for(tier: Tier) -> str:
 
 
 ALL_QUEUES: tuple[str, ...] = tuple(queue_for(tier) for tier in Tier)
+
+WEBHOOKS_QUEUE = f"{QUEUE_PREFIX}webhooks"
+"""Callback deliveries: consumed by CPU-only webhook workers, never by GPU workers."""
+DELIVER_WEBHOOK_TASK = "lorafleet.deliver_webhook"

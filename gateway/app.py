@@ -10,12 +10,14 @@ from redis.asyncio import Redis
 
 from contracts.redis_policy import async_options
 from contracts.telemetry import SENTRY_OPTIONS
+from gateway.batches import Batches
 from gateway.body_limit import BodyLimit
 from gateway.config import GatewaySettings, get_settings
 from gateway.errors import install_error_handlers
+from gateway.files import Files
 from gateway.models import BaseModels
 from gateway.queue import make_producer
-from gateway.routes import health, jobs, openai
+from gateway.routes import batches, files, health, jobs, openai
 from gateway.submit import Submitter
 from gateway.waiter import JobWaiter
 
@@ -44,6 +46,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.submitter = Submitter(
             app.state.redis, app.state.producer, app.state.models, settings
         )
+        app.state.batches = Batches(
+            app.state.redis, app.state.producer, app.state.submitter, settings
+        )
+        app.state.files = Files(app.state.redis, app.state.batches)
         # Subscriptions idle for long stretches: no socket timeout on this connection.
         events = Redis.from_url(
             settings.redis_url,
@@ -64,8 +70,14 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     app = FastAPI(title="lorafleet gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_body_bytes,
+        larger={"/v1/batches": settings.max_batch_bytes, "/v1/files": settings.max_batch_bytes},
+    )
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(openai.router)
+    app.include_router(batches.router)
+    app.include_router(files.router)
     return app

@@ -13,24 +13,26 @@ from gateway.errors import error_response
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, larger: dict[str, int] | None = None) -> None:
         self._app = app
         self._max_bytes = max_bytes
+        self._larger = larger or {}
 
-    def _refusal(self) -> ErrorBody:
+    @staticmethod
+    def _refusal(limit: int) -> ErrorBody:
         return ErrorBody(
             code=ErrorCode.PAYLOAD_TOO_LARGE,
-            message=f"The request body is larger than {self._max_bytes} bytes. "
-            "Nothing was enqueued.",
+            message=f"The request body is larger than {limit} bytes. Nothing was enqueued.",
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
+        limit = self._larger.get(scope["path"], self._max_bytes)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self._max_bytes:
-            await error_response(413, self._refusal())(scope, receive, send)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await error_response(413, self._refusal(limit))(scope, receive, send)
             return
         seen = 0
         refused = started = False
@@ -39,15 +41,15 @@ class BodyLimit:
             # Over the limit: answer 413 now and tell the app the client left, so it stops
             # reading; whatever it answers after that is dropped.
             nonlocal seen, refused
-            if seen > self._max_bytes:
+            if seen > limit:
                 return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self._max_bytes:
+                if seen > limit:
                     if not started:
                         refused = True
-                        await error_response(413, self._refusal())(scope, receive, send)
+                        await error_response(413, self._refusal(limit))(scope, receive, send)
                     return {"type": "http.disconnect"}
             return message
 

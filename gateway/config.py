@@ -67,6 +67,20 @@ class GatewaySettings(BaseSettings):
         description="How long `/v1/completions` and `/v1/chat/completions` wait for the job; "
         "past it they answer 504 and the job keeps running (`GET /v1/jobs/{id}`).",
     )
+    webhook_allow_http: bool = Field(
+        default=False, description="Accept http:// callback URLs (local development only)."
+    )
+    webhook_allow_loopback: bool = Field(
+        default=False, description="Accept callbacks to loopback addresses (local development)."
+    )
+    max_batch_requests: int = Field(
+        default=10_000, ge=1, description="Requests one batch may hold."
+    )
+    max_batch_bytes: int = Field(
+        default=64 * 1024 * 1024,
+        ge=1024,
+        description="Largest batch body or uploaded batch file; larger is 413.",
+    )
     sentry_dsn: str | None = Field(
         default=None,
         validation_alias="SENTRY_DSN",

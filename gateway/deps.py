@@ -8,7 +8,9 @@ from celery import Celery
 from fastapi import Depends, Request
 from redis.asyncio import Redis
 
+from gateway.batches import Batches
 from gateway.config import GatewaySettings
+from gateway.files import Files
 from gateway.models import BaseModels
 from gateway.submit import Submitter
 from gateway.waiter import JobWaiter
@@ -44,9 +46,21 @@ def _models(request: Request) -> BaseModels:
     return models
 
 
+def _batches(request: Request) -> Batches:
+    batches: Batches = request.app.state.batches
+    return batches
+
+
+def _files(request: Request) -> Files:
+    files: Files = request.app.state.files
+    return files
+
+
 SettingsDep = Annotated[GatewaySettings, Depends(_settings)]
 RedisDep = Annotated[Redis, Depends(_redis)]
 ProducerDep = Annotated[Celery, Depends(_producer)]
 WaiterDep = Annotated[JobWaiter, Depends(_waiter)]
 SubmitterDep = Annotated[Submitter, Depends(_submitter)]
 ModelsDep = Annotated[BaseModels, Depends(_models)]
+BatchesDep = Annotated[Batches, Depends(_batches)]
+FilesDep = Annotated[Files, Depends(_files)]

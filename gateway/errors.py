@@ -60,6 +60,7 @@ class ApiError(Exception):
         message: str,
         headers: dict[str, str] | None = None,
         param: str | None = None,
+        details: list[dict[str, object]] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -67,6 +68,7 @@ class ApiError(Exception):
         self.message = message
         self.headers = headers
         self.param = param
+        self.details = details
 
 
 NOT_ADMITTED = "The job was not accepted: {what} ({exc}). Nothing was enqueued; retry."
@@ -97,7 +99,7 @@ def error_response(
 
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    body = ErrorBody(code=exc.code, message=exc.message)
+    body = ErrorBody(code=exc.code, message=exc.message, details=exc.details)
     return error_response(exc.status_code, body, exc.headers, exc.param)
 
 
@@ -124,6 +126,11 @@ _STATUS = {
     ErrorCode.VALIDATION_ERROR: 422,
     ErrorCode.PROMPT_TOO_LONG: 422,
     ErrorCode.UNSUPPORTED_PARAMETER: 422,
+    ErrorCode.WEBHOOK_URL_FORBIDDEN: 422,
+    ErrorCode.BATCH_INVALID: 422,
+    ErrorCode.BATCH_TOO_LARGE: 413,
+    ErrorCode.BATCH_NOT_FOUND: 404,
+    ErrorCode.FILE_NOT_FOUND: 404,
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.ADAPTER_NOT_FOUND: 404,
     ErrorCode.JOB_NOT_FOUND: 404,

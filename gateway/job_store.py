@@ -22,7 +22,9 @@ async def get_job(redis: Redis, job_id: str, tenant: str) -> JobPublic | None:
     return job if job.tenant == tenant else None
 
 
-async def cancel_job(redis: Redis, job_id: str, tenant: str, ttl_s: int) -> JobPublic | None:
+async def cancel_job(
+    redis: Redis, job_id: str, tenant: str, ttl_s: int, only_queued: bool = False
+) -> JobPublic | None:
     """Move a queued or running job to ``cancelled``; the job as it is afterwards.
 
     The write is a compare-and-set on the attempts counter: if a worker claimed the job
@@ -34,6 +36,8 @@ async def cancel_job(redis: Redis, job_id: str, tenant: str, ttl_s: int) -> JobP
     while True:
         job = await get_job(redis, job_id, tenant)
         if job is None or job.status.terminal:
+            return job
+        if only_queued and job.status != JobStatus.QUEUED:
             return job
         cancelled = job.model_copy(
             update={

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.errors import ErrorCode
-from contracts.jobs import MAX_PROMPT_CHARS, ResultMetadata, Sampling, Usage
+from contracts.jobs import MAX_PROMPT_CHARS, JobPublic, ResultMetadata, Sampling, Usage
 from gateway.errors import ApiError
 
 # Parameter -> its neutral value: anything else is a feature we don't serve.
@@ -194,3 +194,42 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+def info_of(job: JobPublic) -> LorafleetInfo:
+    return LorafleetInfo(
+        job_id=job.id,
+        adapter=job.adapter,
+        channel=job.channel,
+        revision=job.revision,
+        metadata=job.metadata,
+    )
+
+
+def completion_of(job: JobPublic, model: str, created: int) -> Completion:
+    assert job.result is not None
+    return Completion(
+        id=f"cmpl-{job.id}",
+        created=created,
+        model=model,
+        choices=[CompletionChoice(text=job.result.text, finish_reason=job.result.finish_reason)],
+        usage=job.result.usage,
+        lorafleet=info_of(job),
+    )
+
+
+def chat_completion_of(job: JobPublic, model: str, created: int) -> ChatCompletion:
+    assert job.result is not None
+    return ChatCompletion(
+        id=f"chatcmpl-{job.id}",
+        created=created,
+        model=model,
+        choices=[
+            ChatChoice(
+                message=AssistantMessage(content=job.result.text),
+                finish_reason=job.result.finish_reason,
+            )
+        ],
+        usage=job.result.usage,
+        lorafleet=info_of(job),
+    )

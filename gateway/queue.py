@@ -21,6 +21,20 @@ def make_producer(broker_url: str, timeout_s: float) -> Celery:
     return producer
 
 
+def enqueue_many(producer: Celery, messages: list[JobMessage]) -> None:
+    """Publish ``messages`` in order over one broker connection. Raises on the first failure."""
+    with producer.connection_for_write() as connection, producer.producer_or_acquire() as pub:
+        for message in messages:
+            producer.send_task(
+                RUN_JOB_TASK,
+                args=[message.model_dump(mode="json")],
+                queue=queue_for(message.tier),
+                task_id=message.job_id,
+                connection=connection,
+                producer=pub,
+            )
+
+
 def enqueue(producer: Celery, message: JobMessage) -> str:
     """Publish ``message`` on its tier queue; returns the queue name. Raises on failure."""
     queue = queue_for(message.tier)

@@ -26,8 +26,9 @@ from redis.exceptions import RedisError
 from contracts import admission
 from contracts.errors import ErrorCode
 from contracts.jobs import JobMessage, JobPublic, JobStatus, Sampling
-from contracts.queues import queue_for
+from contracts.queues import Tier, queue_for
 from contracts.tenants import TenantRecord
+from contracts.webhooks import WebhookTarget
 from gateway import job_store
 from gateway.config import GatewaySettings
 from gateway.errors import ApiError, unavailable
@@ -35,6 +36,7 @@ from gateway.idempotency import IdempotencyKeys, Reservation
 from gateway.models import BaseModels, ChatTemplateError, ServedModel
 from gateway.queue import enqueue
 from gateway.registry import Resolved, resolve
+from gateway.webhooks import check_target
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,18 @@ class Submission:
     messages: list[dict[str, Any]] | None = None
     deadline_s: float | None = None
     stream: bool = False
+    webhook: WebhookTarget | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request checked and ready to admit."""
+
+    request: Submission
+    resolved: Resolved
+    deadline_s: float
+    prompt: str
+    add_special_tokens: bool
 
 
 @dataclass(frozen=True)
@@ -100,11 +114,9 @@ class Submitter:
     ) -> tuple[Admitted, IdempotencyKeys | None]:
         """The admitted job, and the idempotency reservation to mark done if this request
         made one."""
-        resolved = await self._resolve(tenant, request.adapter)
-        deadline_s = self._deadline_s(request)
-        model = await self._models.get(resolved.record.base_model.digest)
-        prompt, add_special_tokens = self._prompt(request, model, resolved)
-        self._check_length(prompt, add_special_tokens, request.sampling, model)
+        prepared = await self.prepare(tenant, request)
+        if request.webhook is not None:
+            await check_target(request.webhook, self._settings)
 
         job_id = uuid.uuid4().hex
         keys = None
@@ -116,9 +128,7 @@ class Submitter:
             if not reservation.owned:
                 return await self._replay(tenant, reservation), None
         try:
-            job, message = self._job(
-                tenant, resolved, request, job_id, deadline_s, prompt, add_special_tokens
-            )
+            job, message = self.job(tenant, prepared, job_id)
             await self._admit(tenant, job, message)
         except BaseException:
             if keys is not None:
@@ -126,6 +136,25 @@ class Submitter:
                     await asyncio.shield(keys.release())
             raise
         return Admitted(job=job, replayed=False), keys
+
+    async def prepare(
+        self,
+        tenant: TenantRecord,
+        request: Submission,
+        resolved_by_name: dict[str, Resolved] | None = None,
+    ) -> Prepared:
+        """Everything decided before admission: the revision (granted?), the deadline, the
+        prompt and its length. Raises ``ApiError``; ``resolved_by_name`` caches resolutions
+        across the requests of one batch."""
+        cache = {} if resolved_by_name is None else resolved_by_name
+        if request.adapter not in cache:
+            cache[request.adapter] = await self._resolve(tenant, request.adapter)
+        resolved = cache[request.adapter]
+        deadline_s = self._deadline_s(request)
+        model = await self._models.get(resolved.record.base_model.digest)
+        prompt, add_special_tokens = self._prompt(request, model, resolved)
+        self._check_length(prompt, add_special_tokens, request.sampling, model)
+        return Prepared(request, resolved, deadline_s, prompt, add_special_tokens)
 
     async def _resolve(self, tenant: TenantRecord, name: str) -> Resolved:
         resolved = await resolve(self._redis, name, tenant.name)
@@ -214,30 +243,26 @@ class Submitter:
                 param="prompt",
             )
 
-    def _job(
-        self,
-        tenant: TenantRecord,
-        resolved: Resolved,
-        request: Submission,
-        job_id: str,
-        deadline_s: float,
-        prompt: str,
-        add_special_tokens: bool,
+    def job(
+        self, tenant: TenantRecord, prepared: Prepared, job_id: str, batch: str | None = None
     ) -> tuple[JobPublic, JobMessage]:
-        record = resolved.record
+        """The record and the queue message of a prepared request, deadline counted from now."""
+        record, request = prepared.resolved.record, prepared.request
         accepted_at = time.time()
-        deadline_at = accepted_at + deadline_s
+        deadline_at = accepted_at + prepared.deadline_s
         job = JobPublic(
             id=job_id,
             status=JobStatus.QUEUED,
             tenant=tenant.name,
             adapter=record.alias,
-            channel=resolved.channel,
+            channel=prepared.resolved.channel,
             revision=record.digest,
             tier=record.tier,
             queue=queue_for(record.tier),
             created_at=datetime.fromtimestamp(accepted_at, tz=UTC),
             deadline_at=datetime.fromtimestamp(deadline_at, tz=UTC),
+            batch=batch,
+            webhook=request.webhook,
         )
         message = JobMessage(
             job_id=job_id,
@@ -246,8 +271,8 @@ class Submitter:
             revision=record.digest,
             base_model=record.base_model,
             tier=record.tier,
-            prompt=prompt,
-            add_special_tokens=add_special_tokens,
+            prompt=prepared.prompt,
+            add_special_tokens=prepared.add_special_tokens,
             stream=request.stream,
             sampling=request.sampling,
             accepted_at=accepted_at,
@@ -255,10 +280,10 @@ class Submitter:
         )
         return job, message
 
-    def _limits(self, tenant: TenantRecord, job: JobPublic) -> admission.Limits:
+    def limits(self, tenant: TenantRecord, tier: Tier) -> admission.Limits:
         own, defaults = tenant.limits, self._settings
         return admission.Limits(
-            tier_max=defaults.tier_limit(job.tier),
+            tier_max=defaults.tier_limit(tier),
             tenant_max=own.max_concurrent or defaults.tenant_max_concurrent,
             rate_per_s=own.rate_per_s or defaults.tenant_rate_per_s,
             burst=own.burst or defaults.tenant_burst,
@@ -266,13 +291,15 @@ class Submitter:
 
     async def _admit(self, tenant: TenantRecord, job: JobPublic, message: JobMessage) -> None:
         """Ledger + record in one script, then the queue; a failed enqueue withdraws both."""
-        limits = self._limits(tenant, job)
+        limits = self.limits(tenant, job.tier)
         expires_at = message.deadline_at + admission.LEDGER_GRACE_S
         keys, args = admission.admit_call(job, expires_at, limits, self._settings.job_ttl_s)
         reply = await self._redis.register_script(admission.ADMIT)(keys=keys, args=args)
         verdict = admission.verdict(reply)
         if verdict.refusal is not None:
-            raise _refused(verdict, limits, job, self._settings.admission_retry_after_s)
+            raise refusal_error(
+                verdict, limits, job.tenant, job.tier, self._settings.admission_retry_after_s
+            )
         try:
             # Shielded: a request timing out mid-publish must still withdraw what it admitted.
             await asyncio.shield(run_in_threadpool(enqueue, self._producer, message))
@@ -303,23 +330,31 @@ class Submitter:
         return Admitted(job=job, replayed=True)
 
 
-def _refused(
-    verdict: admission.Verdict, limits: admission.Limits, job: JobPublic, retry_after_s: int
+def refusal_error(
+    verdict: admission.Verdict,
+    limits: admission.Limits,
+    tenant: str,
+    tier: Tier | None,
+    retry_after_s: int,
+    what: str = "the job",
 ) -> ApiError:
+    """The 429 of a refused admission, naming the limit that refused it."""
     refusal = verdict.refusal
     assert refusal is not None
     if refusal == admission.Refusal.RATE:
         retry = max(1, math.ceil(verdict.retry_after_s))
-        what = f"tenant {job.tenant!r} is over its rate of {limits.rate_per_s:g} jobs/s"
+        why = f"tenant {tenant!r} is over its rate of {limits.rate_per_s:g} jobs/s"
     elif refusal == admission.Refusal.TENANT:
         retry = retry_after_s
-        what = f"tenant {job.tenant!r} already has {limits.tenant_max} unfinished jobs"
+        why = f"tenant {tenant!r} may hold {limits.tenant_max} unfinished jobs"
     else:
         retry = retry_after_s
-        what = f"the {job.tier.value} tier already holds {limits.tier_max} unfinished jobs"
+        tier_name = tier.value if tier is not None else "its"
+        why = f"the {tier_name} tier may hold {limits.tier_max} unfinished jobs"
     return ApiError(
         429,
         admission.REFUSAL_CODES[refusal],
-        f"The job was not accepted: {what}. Nothing was enqueued; retry after {retry} s.",
+        f"{what[0].upper()}{what[1:]} was not accepted: {why}. Nothing was enqueued; "
+        f"retry after {retry} s.",
         headers={"Retry-After": str(retry)},
     )

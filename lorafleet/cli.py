@@ -258,6 +258,27 @@ def tenants_limits(
     console.print_json(record.limits.model_dump_json())
 
 
+@tenants_app.command("webhook-secret")
+def tenants_webhook_secret(
+    name: Annotated[str, typer.Argument()],
+    rotate: Annotated[bool, typer.Option(help="Start signing with a new secret.")] = False,
+    grace_s: Annotated[
+        float, typer.Option(min=0, help="With --rotate: how long the old secret still signs.")
+    ] = 24 * 3600,
+) -> None:
+    """Show NAME's webhook signing secret (newest first), or rotate it."""
+    from datetime import UTC, datetime
+
+    try:
+        secrets = _tenants(_settings()).webhook_secrets(name, rotate, grace_s)
+    except RegistryError as exc:
+        raise _refused(exc) from exc
+    for secret in secrets.secrets:
+        until = secret.expires_at
+        ends = datetime.fromtimestamp(until, tz=UTC).isoformat() if until else "current"
+        console.print(f"{secret.secret}\t{ends}", soft_wrap=True, highlight=False)
+
+
 @keys_app.command("create")
 def keys_create(tenant: Annotated[str, typer.Argument()]) -> None:
     """Issue another API key for TENANT (shown once)."""

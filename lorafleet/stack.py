@@ -33,6 +33,11 @@ from lorafleet.tenants import Tenants
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROCFILE = REPO_ROOT / "Procfile"
 DEV_TENANT = "dev"
+# Callbacks to a receiver on this machine: allowed on a laptop, refused by default elsewhere.
+LOCAL_WEBHOOK_DEFAULTS = {
+    "LORAFLEET_WEBHOOK_ALLOW_HTTP": "true",
+    "LORAFLEET_WEBHOOK_ALLOW_LOOPBACK": "true",
+}
 
 # Local-only credentials for moto; a real deployment uses the standard AWS credential chain.
 LOCAL_AWS = {"AWS_ACCESS_KEY_ID": "lorafleet-local", "AWS_SECRET_ACCESS_KEY": "lorafleet-local"}
@@ -206,7 +211,7 @@ class LocalStack:
     def service_env(self) -> dict[str, str]:
         """Environment of the Procfile processes."""
         env = dict(os.environ)
-        for key, value in CPU_ENGINE_DEFAULTS.items():
+        for key, value in {**CPU_ENGINE_DEFAULTS, **LOCAL_WEBHOOK_DEFAULTS}.items():
             env.setdefault(key, value)
         if self.s3_is_local:
             env.update(LOCAL_AWS)
@@ -227,7 +232,8 @@ class LocalStack:
         return env
 
     def start_services(self, extra_env: dict[str, str] | None = None) -> None:
-        """The gateway and one worker, as the Procfile says; waits until both serve."""
+        """The gateway, one worker and one webhook worker, as the Procfile says; waits until
+        the gateway and the worker serve."""
         env = {**self.service_env(), **(extra_env or {})}
         port = self.settings.gateway_port or free_port()
         env["PORT"] = str(port)
@@ -235,6 +241,7 @@ class LocalStack:
         web = self._spawn("gateway", ["sh", "-c", "exec " + procfile_commands()["web"]], env)
         self.gateway_url = f"http://127.0.0.1:{port}"
         worker = self.spawn_worker(extra_env)
+        self._spawn("webhooks", ["sh", "-c", "exec " + procfile_commands()["webhooks"]], env)
         wait_until(self._gateway_ready, self.settings.startup_timeout_s, "the gateway", [web])
         self.wait_worker(worker)
 

@@ -7,9 +7,11 @@ old one, at once or after a grace period (the old key's record then expires in R
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 
 from redis import Redis
+from redis.exceptions import WatchError
 
 from contracts.errors import ErrorCode
 from contracts.keys import (
@@ -20,6 +22,7 @@ from contracts.keys import (
     grants_key,
     tenant_key,
     tenant_keys_key,
+    webhook_secrets_key,
 )
 from contracts.tenants import (
     ALL_ADAPTERS,
@@ -29,6 +32,7 @@ from contracts.tenants import (
     key_hash,
     new_api_key,
 )
+from contracts.webhooks import SigningSecret, SigningSecrets, new_secret
 from lorafleet.registry import RegistryError, check_name
 
 
@@ -141,3 +145,34 @@ class Tenants:
     def grants(self, tenant: str) -> list[str]:
         self.get(tenant)
         return sorted(str(name) for name in self._redis.smembers(grants_key(tenant)))  # type: ignore[union-attr]
+
+    def webhook_secrets(
+        self, tenant: str, rotate: bool = False, grace_s: float = 24 * 3600
+    ) -> SigningSecrets:
+        """The tenant's signing secrets (created on first use), newest first. Rotating adds a
+        new one; the others keep signing until ``grace_s`` has passed, so receivers can
+        switch over while both signatures arrive."""
+        self.get(tenant)
+        key = webhook_secrets_key(tenant)
+        with self._redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    raw = pipe.get(key)
+                    now = time.time()
+                    current = (
+                        SigningSecrets.model_validate_json(str(raw)) if raw is not None else None
+                    )
+                    if current is not None and not rotate:
+                        return current
+                    fresh = (
+                        current.rotated(now, grace_s)
+                        if current is not None
+                        else SigningSecrets(secrets=[SigningSecret(secret=new_secret())])
+                    )
+                    pipe.multi()
+                    pipe.set(key, fresh.model_dump_json())
+                    pipe.execute()
+                    return fresh
+                except WatchError:
+                    continue

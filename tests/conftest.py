@@ -33,6 +33,11 @@ STACK_ENV = {
     "LORAFLEET_WORKER_CONCURRENCY": "32",
     # Frequent heartbeats: tests read the engine's unfinished-request count from them.
     "LORAFLEET_HEARTBEAT_S": "1",
+    # Webhook retries compressed: first retry after 0.2-0.4 s, doubling, 60 s window.
+    "LORAFLEET_WEBHOOK_BACKOFF_S": "0.4",
+    "LORAFLEET_WEBHOOK_RETRY_WINDOW_S": "60",
+    "LORAFLEET_WEBHOOK_POLL_S": "0.1",
+    "LORAFLEET_WEBHOOK_TIMEOUT_S": "5",
 }
 
 

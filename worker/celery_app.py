@@ -107,10 +107,10 @@ def _announce(**_: Any) -> None:
 
 @task_received.connect
 def _note_delivery(request: Any, **_: Any) -> None:
-    # In the consumer thread, as the message arrives: remember its broker delivery tag (in
-    # memory only; Redis round trips here would slow down receiving every job).
+    # In the consumer thread, as the message arrives: record its broker delivery tag, so a
+    # reaper can hand it back if this worker dies (written off this thread: no Redis wait).
     if _runtime is not None:
-        _runtime.note_delivery(request.id, request.message.delivery_tag)
+        _runtime.held.received(request.id, request.message.delivery_tag)
 
 
 @worker_shutting_down.connect

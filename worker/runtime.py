@@ -14,7 +14,6 @@ from pathlib import Path
 import boto3
 from botocore.config import Config
 from redis import Redis
-from redis.exceptions import RedisError
 
 from contracts.digests import manifest_of
 from contracts.jobs import LoadTimings
@@ -28,6 +27,7 @@ from worker.cancels import CancelWatcher
 from worker.config import WorkerSettings
 from worker.engine import ENGINE_VERSION, EngineHost, EngineOptions
 from worker.errors import JobFailure, StopReason
+from worker.held import HeldDeliveries
 from worker.inflight import InFlight
 from worker.job_store import JobStore
 from worker.reaper import Reaper
@@ -92,8 +92,7 @@ class WorkerRuntime:
             DeltaPublisher(self.redis),
         )
         self.inflight = InFlight()
-        self._deliveries: dict[str, str] = {}
-        self._deliveries_lock = threading.Lock()
+        self.held = HeldDeliveries(self.redis, self.worker_id)
         self.cancels = CancelWatcher(self.redis, self.jobs, self.inflight, settings.cancel_poll_s)
         self.reaper = Reaper(
             self.redis, settings.effective_broker_url, self.worker_id, settings.restore_interval_s
@@ -108,6 +107,7 @@ class WorkerRuntime:
 
     def start(self) -> None:
         """Check the slot budget, start the engine, preload hot and warm adapters."""
+        self.held.start()
         hot, warm = preload_sets(self.redis, self.base_model.digest)
         if len(hot) >= self.settings.max_loras:
             raise RuntimeError(
@@ -201,28 +201,6 @@ class WorkerRuntime:
         except TimeoutError:
             return None
 
-    def note_delivery(self, task_id: str, delivery_tag: str) -> None:
-        """The consumer received ``task_id`` under ``delivery_tag`` (memory only)."""
-        with self._deliveries_lock:
-            self._deliveries[task_id] = delivery_tag
-
-    def hold(self, task_id: str) -> None:
-        """The job starts here: if this worker dies, another worker's reaper hands it back."""
-        with self._deliveries_lock:
-            delivery_tag = self._deliveries.pop(task_id, None)
-        if delivery_tag is None:
-            return
-        try:
-            self.redis.hset(held_key(self.worker_id), task_id, delivery_tag)
-        except (RedisError, OSError) as exc:  # the visibility timeout remains the backstop
-            log.warning("could not record delivery %s: %s", task_id, exc)
-
-    def unhold(self, task_id: str) -> None:
-        try:
-            self.redis.hdel(held_key(self.worker_id), task_id)
-        except (RedisError, OSError) as exc:  # a stale entry only restores a finished job
-            log.warning("could not clear delivery %s: %s", task_id, exc)
-
     def _beat(self, stopping: threading.Event) -> None:
         while not stopping.wait(self.settings.heartbeat_s):
             try:
@@ -237,6 +215,7 @@ class WorkerRuntime:
             self._drain_timer.cancel()
         self.cancels.close()
         self.reaper.close()
+        self.held.close()
         try:
             # Anything still held was handed back by the drain or by kombu at shutdown.
             self.redis.delete(worker_key(self.worker_id), held_key(self.worker_id))

@@ -28,11 +28,8 @@ log = logging.getLogger(__name__)
 @app.task(name=RUN_JOB_TASK)
 def run_job(payload: dict[str, Any]) -> None:
     """Run one job; its outcome is written to the job record, never returned to Celery."""
-    # From here until the outcome is stored, if this worker dies, another worker's reaper
-    # puts the message back on its queue. (A prefetched message that no pool thread has
-    # started yet is recovered by the visibility timeout instead; with the default prefetch
-    # multiplier of 1 every received message starts at once.)
-    runtime().hold(run_job.request.id)
+    # From its receipt (``worker.held``) until the outcome is stored, if this worker dies,
+    # another worker's reaper puts the message back on its queue.
     try:
         _run(payload)
     except (RedisError, OSError) as exc:
@@ -42,7 +39,7 @@ def run_job(payload: dict[str, Any]) -> None:
         raise Reject(f"job store unreachable: {exc}", requeue=True) from None
     finally:
         # The outcome is stored (or the job handed back): nothing for a reaper to restore.
-        runtime().unhold(run_job.request.id)
+        runtime().held.finished(run_job.request.id)
 
 
 def _run(payload: dict[str, Any]) -> None:

@@ -9,12 +9,14 @@ from redis.exceptions import RedisError
 
 from contracts.errors import ErrorCode
 from contracts.jobs import JobAccepted, JobCreate, JobPublic, JobStatus
+from contracts.webhooks import job_event_id
 from gateway import job_store
 from gateway.auth import TenantDep
 from gateway.deps import RedisDep, SettingsDep, SubmitterDep, WaiterDep
 from gateway.errors import ADMISSION, AUTHENTICATED, ApiError, responses, unavailable
 from gateway.idempotency import fingerprint
 from gateway.submit import Idempotency, Submission
+from gateway.webhooks import delivery_status
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -44,7 +46,7 @@ def _not_found(job_id: str) -> ApiError:
     "",
     status_code=202,
     response_model=JobAccepted,
-    responses=_REPLAY | responses(*ADMISSION),
+    responses=_REPLAY | responses(*ADMISSION, ErrorCode.WEBHOOK_URL_FORBIDDEN),
 )
 async def create_job(
     body: JobCreate,
@@ -67,6 +69,7 @@ async def create_job(
         prompt=body.prompt,
         sampling=body.sampling,
         deadline_s=body.deadline_s,
+        webhook=body.webhook,
     )
     admitted = await submitter.submit(tenant, request, idempotency)
     if admitted.replayed:
@@ -105,6 +108,12 @@ async def get_job(
         raise unavailable("the job store is unreachable", exc, _NOT_READ) from exc
     if job is None:
         raise _not_found(job_id)
+    if job.webhook is not None and job.status.terminal:
+        try:
+            delivery = await delivery_status(redis, job_event_id(job.id))
+        except (RedisError, OSError) as exc:
+            raise unavailable("the job store is unreachable", exc, _NOT_READ) from exc
+        job = job.model_copy(update={"webhook_delivery": delivery})
     return job
 
 

@@ -35,17 +35,16 @@ from gateway.errors import (
 )
 from gateway.idempotency import fingerprint
 from gateway.openai_schemas import (
-    AssistantMessage,
-    ChatChoice,
     ChatCompletion,
     ChatCompletionCreate,
     Completion,
-    CompletionChoice,
     CompletionCreate,
-    LorafleetInfo,
     ModelCard,
     ModelList,
     _OpenAIRequest,
+    chat_completion_of,
+    completion_of,
+    info_of,
 )
 from gateway.registry import granted_models
 from gateway.streams import StreamDiverged, follow
@@ -180,56 +179,17 @@ class _Kind:
     opening: dict[str, Any] | None
 
 
-def _info(job: JobPublic) -> LorafleetInfo:
-    return LorafleetInfo(
-        job_id=job.id,
-        adapter=job.adapter,
-        channel=job.channel,
-        revision=job.revision,
-        metadata=job.metadata,
-    )
-
-
-def _whole_text(job: JobPublic, model: str, created: int) -> BaseModel:
-    assert job.result is not None
-    return Completion(
-        id=f"cmpl-{job.id}",
-        created=created,
-        model=model,
-        choices=[CompletionChoice(text=job.result.text, finish_reason=job.result.finish_reason)],
-        usage=job.result.usage,
-        lorafleet=_info(job),
-    )
-
-
-def _whole_chat(job: JobPublic, model: str, created: int) -> BaseModel:
-    assert job.result is not None
-    return ChatCompletion(
-        id=f"chatcmpl-{job.id}",
-        created=created,
-        model=model,
-        choices=[
-            ChatChoice(
-                message=AssistantMessage(content=job.result.text),
-                finish_reason=job.result.finish_reason,
-            )
-        ],
-        usage=job.result.usage,
-        lorafleet=_info(job),
-    )
-
-
 _TEXT = _Kind(
     id_prefix="cmpl-",
     chunk_object="text_completion",
-    whole=_whole_text,
+    whole=completion_of,
     delta=lambda text: {"text": text},
     opening=None,
 )
 _CHAT = _Kind(
     id_prefix="chatcmpl-",
     chunk_object="chat.completion.chunk",
-    whole=_whole_chat,
+    whole=chat_completion_of,
     delta=lambda text: {"delta": {"content": text}},
     opening={"delta": {"role": "assistant", "content": ""}},
 )
@@ -332,7 +292,7 @@ async def _events(
                 yield _error_event(_job_error(item, job.id, timeout_s))
                 break
             last = kind.delta("") | {"finish_reason": item.result.finish_reason}
-            yield chunk(last, lorafleet=_info(item).model_dump(mode="json"))
+            yield chunk(last, lorafleet=info_of(item).model_dump(mode="json"))
             if body.include_usage:
                 yield chunk(None, usage=item.result.usage.model_dump())
     except StreamDiverged:

@@ -107,6 +107,12 @@ class Fleet:
                     return job
             assert time.monotonic() < deadline, "no job started"
 
+    def wait_none_queued(self, job_ids: list[str], timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(self.job(job_id).status == "queued" for job_id in job_ids):
+            assert time.monotonic() < deadline, "jobs still queued"
+            time.sleep(0.05)
+
     def wait_finished(self, job_id: str, timeout_s: float = 180) -> JobPublic:
         return self.wait_job(job_id, lambda job: job.status.terminal, timeout_s)
 
@@ -177,6 +183,8 @@ def test_worker_killed_mid_job_its_jobs_run_again_elsewhere_exactly_once(fleet: 
     events.subscribe(JOB_EVENTS)
     # Enough long jobs that both workers are busy with several when one of them dies.
     accepted = [submit_job(fleet.api, fleet.alias)["id"] for _ in range(24)]
+    # Every job started (so received and recorded by its worker) before the kill.
+    fleet.wait_none_queued(accepted)
     victim = fleet.worker_running(fleet.first_running(accepted))
     victim_id = fleet.stack.worker_id(victim)
     os.killpg(victim.pid, signal.SIGKILL)  # the worker and its engine, no cleanup at all

@@ -103,7 +103,7 @@ def test_stack_up_detached_serves_a_published_adapter_then_stack_down_stops_it(
         assert {"gateway_url", "api_key", "redis_url", "s3_endpoint_url", "bucket", "model"} <= set(
             stack
         )
-        assert set(stack["pids"]) == {"redis", "s3", "gateway", "worker"}
+        assert set(stack["pids"]) == {"redis", "s3", "gateway", "worker", "webhooks"}
 
         published = _cli(
             [

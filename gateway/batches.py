@@ -1,0 +1,374 @@
+"""Batches, gateway side: validate every request first, admit all of them or none, enqueue,
+and read them back in submission order.
+
+A batch arrives as lorafleet job requests (JSON ``requests`` or a JSONL body) or as an
+uploaded OpenAI batch file (``/v1/completions`` or ``/v1/chat/completions`` lines). One bad
+line refuses the whole batch, with every bad line's number and reason; nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from contracts import admission
+from contracts.batches import BatchEndpoint, BatchLine, BatchPublic, BatchRecord, batch_public
+from contracts.errors import ErrorCode
+from contracts.jobs import MAX_PROMPT_CHARS, JobMessage, JobPublic, JobStatus, Sampling
+from contracts.keys import batch_jobs_key, batch_key, job_key
+from contracts.tenants import TenantRecord
+from contracts.webhooks import WebhookTarget, batch_event_id
+from gateway import job_store
+from gateway.config import GatewaySettings
+from gateway.errors import ApiError, unavailable
+from gateway.openai_schemas import ChatCompletionCreate, CompletionCreate
+from gateway.queue import enqueue_many
+from gateway.registry import Resolved
+from gateway.submit import Submission, Submitter, refusal_error
+from gateway.webhooks import check_target, delivery_status
+
+MAX_LINE_ERRORS = 100
+"""A refused batch reports at most this many bad lines (and how many there were)."""
+
+READ_CHUNK = 500
+
+
+class BatchRequest(BaseModel):
+    """One request of a lorafleet batch: a job (``POST /v1/jobs`` body) with an id."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    custom_id: str | None = Field(default=None, min_length=1, max_length=256)
+    adapter: str
+    prompt: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    sampling: Sampling = Field(default_factory=Sampling)
+
+
+class BatchCreate(BaseModel):
+    """Body of ``POST /v1/batches`` (lorafleet's shape; or OpenAI's, see ``OpenAIBatchCreate``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests: list[dict[str, Any]] = Field(description="job requests, each validated alone")
+    webhook: WebhookTarget | None = None
+    deadline_s: float | None = Field(default=None, gt=0)
+    metadata: dict[str, str] | None = None
+
+
+class OpenAIBatchCreate(BaseModel):
+    """OpenAI's ``POST /v1/batches``: the requests are in an uploaded file."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input_file_id: str
+    endpoint: BatchEndpoint
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
+
+
+class OpenAILine(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    custom_id: str = Field(min_length=1, max_length=256)
+    method: str = "POST"
+    url: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LineError:
+    line: int
+    message: str
+    code: ErrorCode = ErrorCode.VALIDATION_ERROR
+
+    def detail(self) -> dict[str, object]:
+        return {"line": self.line, "code": self.code.value, "message": self.message}
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """One valid line: the job to submit and how the line is reported."""
+
+    submission: Submission
+    custom_id: str
+    endpoint: BatchEndpoint
+    model: str
+
+
+def _first_problem(exc: ValidationError) -> str:
+    item = exc.errors()[0]
+    field = ".".join(str(part) for part in item["loc"]) or "line"
+    return f"{field}: {item['msg']}"
+
+
+def parse_native(item: Any, number: int) -> Parsed | LineError:
+    try:
+        request = BatchRequest.model_validate(item)
+    except ValidationError as exc:
+        return LineError(number, _first_problem(exc))
+    submission = Submission(
+        adapter=request.adapter, prompt=request.prompt, sampling=request.sampling
+    )
+    custom_id = request.custom_id or str(number)
+    return Parsed(submission, custom_id, "/v1/jobs", request.adapter)
+
+
+def parse_openai(item: Any, number: int, endpoint: BatchEndpoint) -> Parsed | LineError:
+    try:
+        line = OpenAILine.model_validate(item)
+    except ValidationError as exc:
+        return LineError(number, _first_problem(exc))
+    if line.method != "POST" or line.url != endpoint:
+        return LineError(number, f"each line must be POST {endpoint} (the batch's endpoint)")
+    try:
+        if endpoint == "/v1/chat/completions":
+            chat = ChatCompletionCreate.model_validate(line.body)
+            chat.check()
+            sampling, model = chat.sampling(16), chat.model
+            submission = Submission(
+                adapter=model,
+                messages=[message.rendered() for message in chat.messages],
+                sampling=sampling,
+            )
+        else:
+            completion = CompletionCreate.model_validate(line.body)
+            completion.check()
+            submission = Submission(
+                adapter=completion.model, prompt=completion.text, sampling=completion.sampling(16)
+            )
+    except ValidationError as exc:
+        return LineError(number, "body." + _first_problem(exc))
+    except ApiError as exc:
+        return LineError(number, exc.message, exc.code)
+    if (line.body or {}).get("stream"):
+        return LineError(number, "body.stream: batch requests can't stream")
+    return Parsed(submission, line.custom_id, endpoint, submission.adapter)
+
+
+def jsonl(content: bytes) -> list[tuple[int, Any]] | LineError:
+    """``(line number, value)`` of each non-blank line."""
+    items = []
+    for number, raw in enumerate(content.decode("utf-8", errors="replace").splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            items.append((number, json.loads(raw)))
+        except json.JSONDecodeError as exc:
+            return LineError(number, f"not JSON: {exc.msg}")
+    return items
+
+
+def refused(errors: list[LineError], total: int) -> ApiError:
+    shown = errors[:MAX_LINE_ERRORS]
+    where = ", ".join(str(e.line) for e in shown[:10]) + ("…" if len(errors) > 10 else "")
+    return ApiError(
+        422,
+        ErrorCode.BATCH_INVALID,
+        f"{len(errors)} of {total} batch lines are invalid (lines {where}); nothing was "
+        "enqueued. Fix them and submit the batch again.",
+        details=[e.detail() for e in shown],
+    )
+
+
+class Batches:
+    def __init__(
+        self,
+        redis: Redis,
+        producer: Celery,
+        submitter: Submitter,
+        settings: GatewaySettings,
+    ) -> None:
+        self._redis = redis
+        self._producer = producer
+        self._submitter = submitter
+        self._settings = settings
+
+    async def create(
+        self,
+        tenant: TenantRecord,
+        lines: list[Parsed | LineError],
+        endpoint: BatchEndpoint,
+        webhook: WebhookTarget | None = None,
+        deadline_s: float | None = None,
+        metadata: dict[str, str] | None = None,
+        input_file_id: str | None = None,
+    ) -> BatchPublic:
+        """Check every line, then admit and enqueue all of them, or nothing."""
+        settings = self._settings
+        if not lines:
+            raise ApiError(422, ErrorCode.BATCH_INVALID, "The batch holds no requests.")
+        if len(lines) > settings.max_batch_requests:
+            raise ApiError(
+                413,
+                ErrorCode.BATCH_TOO_LARGE,
+                f"The batch holds {len(lines)} requests; at most {settings.max_batch_requests} "
+                "are accepted. Nothing was enqueued; split it.",
+            )
+        try:
+            async with asyncio.timeout(settings.redis_timeout_s + 0.01 * len(lines)):
+                if webhook is not None:
+                    await check_target(webhook, settings)
+                return await self._create(
+                    tenant, lines, endpoint, webhook, deadline_s, metadata, input_file_id
+                )
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise unavailable("Redis or the queue did not answer in time", exc) from exc
+
+    async def _create(
+        self,
+        tenant: TenantRecord,
+        lines: list[Parsed | LineError],
+        endpoint: BatchEndpoint,
+        webhook: WebhookTarget | None,
+        deadline_s: float | None,
+        metadata: dict[str, str] | None,
+        input_file_id: str | None,
+    ) -> BatchPublic:
+        errors = [line for line in lines if isinstance(line, LineError)]
+        parsed = [line for line in lines if isinstance(line, Parsed)]
+        seen: set[str] = set()
+        resolved: dict[str, Resolved] = {}
+        prepared = []
+        for number, line in enumerate(lines, 1):
+            if not isinstance(line, Parsed):
+                continue
+            if line.custom_id in seen:
+                errors.append(LineError(number, f"custom_id {line.custom_id!r} is used twice"))
+                continue
+            seen.add(line.custom_id)
+            request = line.submission
+            if deadline_s is not None:
+                request = Submission(**{**request.__dict__, "deadline_s": deadline_s})
+            try:
+                prepared.append(await self._submitter.prepare(tenant, request, resolved))
+            except ApiError as exc:
+                errors.append(LineError(number, exc.message, exc.code))
+        if errors:
+            raise refused(sorted(errors, key=lambda e: e.line), len(lines))
+
+        batch_id = "batch_" + uuid.uuid4().hex
+        now = time.time()
+        jobs: list[JobPublic] = []
+        messages: list[JobMessage] = []
+        for ready in prepared:
+            job, message = self._submitter.job(tenant, ready, uuid.uuid4().hex, batch=batch_id)
+            jobs.append(job)
+            messages.append(message)
+        record = BatchRecord(
+            id=batch_id,
+            tenant=tenant.name,
+            endpoint=endpoint,
+            input_file_id=input_file_id,
+            created_at=int(now),
+            expires_at=int(max(m.deadline_at for m in messages)),
+            webhook=webhook,
+            metadata=metadata,
+        )
+        reported = [
+            BatchLine(
+                custom_id=line.custom_id, job_id=job.id, endpoint=line.endpoint, model=line.model
+            )
+            for line, job in zip(parsed, jobs, strict=True)
+        ]
+        await self._admit(tenant, record, jobs, reported, messages)
+        return await self.get(tenant, batch_id)  # type: ignore[return-value]
+
+    async def _admit(
+        self,
+        tenant: TenantRecord,
+        record: BatchRecord,
+        jobs: list[JobPublic],
+        lines: list[BatchLine],
+        messages: list[JobMessage],
+    ) -> None:
+        base = self._submitter.limits(tenant, jobs[0].tier)
+        limits = admission.BatchLimits(
+            tenant_max=base.tenant_max,
+            rate_per_s=base.rate_per_s,
+            burst=base.burst,
+            tier_max={tier: self._settings.tier_limit(tier) for tier in admission.TIER_ORDER},
+        )
+        expires_at = max(m.deadline_at for m in messages) + admission.LEDGER_GRACE_S
+        keys, args = admission.admit_batch_call(
+            record, jobs, lines, expires_at, limits, self._settings.job_ttl_s
+        )
+        reply = await self._redis.register_script(admission.ADMIT_BATCH)(keys=keys, args=args)
+        verdict, tier = admission.batch_verdict(reply)
+        if verdict.refusal is not None:
+            wanted = len(jobs) if tier is None else sum(job.tier == tier for job in jobs)
+            raise refusal_error(
+                verdict,
+                admission.Limits(
+                    tier_max=limits.tier_max[tier] if tier else 0,
+                    tenant_max=limits.tenant_max,
+                    rate_per_s=limits.rate_per_s,
+                    burst=limits.burst,
+                ),
+                tenant.name,
+                tier,
+                self._settings.admission_retry_after_s,
+                what=f"a batch of {wanted} jobs",
+            )
+        try:
+            await asyncio.shield(run_in_threadpool(enqueue_many, self._producer, messages))
+        except BaseException:
+            keys, args = admission.withdraw_batch_call(record, jobs, limits.burst)
+            with contextlib.suppress(RedisError, OSError):
+                await asyncio.shield(
+                    self._redis.register_script(admission.WITHDRAW_BATCH)(keys=keys, args=args)
+                )
+            raise
+
+    async def get(self, tenant: TenantRecord, batch_id: str) -> BatchPublic | None:
+        fields: dict[str, str] = await self._redis.hgetall(batch_key(batch_id))  # type: ignore[assignment]
+        if not fields or fields.get("tenant") != tenant.name:
+            return None
+        batch = batch_public(fields)
+        if batch.webhook is not None and batch.status in ("completed", "cancelled"):
+            delivery = await delivery_status(self._redis, batch_event_id(batch_id))
+            batch = batch.model_copy(update={"webhook_delivery": delivery})
+        return batch
+
+    async def lines(self, batch_id: str) -> AsyncIterator[list[tuple[BatchLine, JobPublic | None]]]:
+        """The batch's lines in submission order, with their jobs, a chunk at a time."""
+        start = 0
+        while True:
+            raw = await self._redis.lrange(batch_jobs_key(batch_id), start, start + READ_CHUNK - 1)
+            if not raw:
+                return
+            lines = [BatchLine.model_validate_json(item) for item in raw]
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for line in lines:
+                    pipe.hget(job_key(line.job_id), "record")
+                records = await pipe.execute()
+            yield [
+                (line, None if rec is None else JobPublic.model_validate_json(rec))
+                for line, rec in zip(lines, records, strict=True)
+            ]
+            start += READ_CHUNK
+
+    async def cancel(self, tenant: TenantRecord, batch_id: str) -> BatchPublic | None:
+        """Cancel every job of the batch that has not started; running ones finish."""
+        if await self.get(tenant, batch_id) is None:
+            return None
+        await self._redis.hsetnx(batch_key(batch_id), "cancel_requested_at", repr(time.time()))
+        async for chunk in self.lines(batch_id):
+            for line, job in chunk:
+                if job is not None and job.status == JobStatus.QUEUED:
+                    ttl_s = self._settings.job_ttl_s
+                    await job_store.cancel_job(
+                        self._redis, line.job_id, tenant.name, ttl_s, only_queued=True
+                    )
+        return await self.get(tenant, batch_id)

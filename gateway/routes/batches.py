@@ -1,0 +1,211 @@
+"""``/v1/batches``: many jobs at once (lorafleet's shape or OpenAI's Batch API)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+
+from contracts.batches import BatchPublic
+from contracts.errors import ErrorCode
+from contracts.webhooks import WebhookTarget
+from gateway.auth import TenantDep
+from gateway.batches import (
+    BatchCreate,
+    LineError,
+    OpenAIBatchCreate,
+    jsonl,
+    parse_native,
+    parse_openai,
+    refused,
+)
+from gateway.deps import BatchesDep, FilesDep
+from gateway.errors import ADMISSION, AUTHENTICATED, ApiError, responses, unavailable
+
+router = APIRouter(prefix="/v1/batches", tags=["batches"])
+
+JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/jsonlines")
+_NDJSON: dict[int | str, dict[str, Any]] = {200: {"content": {"application/x-ndjson": {}}}}
+_NOT_READ = "The batch could not be read: {what} ({exc}); retry."
+
+_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "oneOf": [
+                        {"$ref": "#/components/schemas/BatchCreate"},
+                        {"$ref": "#/components/schemas/OpenAIBatchCreate"},
+                    ]
+                }
+            },
+            "application/jsonl": {"schema": {"type": "string", "description": "one job a line"}},
+        },
+    }
+}
+
+
+def _not_found(batch_id: str) -> ApiError:
+    return ApiError(404, ErrorCode.BATCH_NOT_FOUND, f"No batch with id {batch_id!r} exists.")
+
+
+def _invalid(exc: ValidationError) -> ApiError:
+    item = exc.errors()[0]
+    field = ".".join(str(part) for part in item["loc"]) or "body"
+    return ApiError(422, ErrorCode.VALIDATION_ERROR, f"Invalid request: {field}: {item['msg']}")
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=BatchPublic,
+    openapi_extra=_BODY,
+    responses=responses(
+        *ADMISSION,
+        ErrorCode.WEBHOOK_URL_FORBIDDEN,
+        ErrorCode.BATCH_INVALID,
+        ErrorCode.BATCH_TOO_LARGE,
+        ErrorCode.FILE_NOT_FOUND,
+    ),
+)
+async def create_batch(
+    request: Request,
+    response: Response,
+    tenant: TenantDep,
+    batches: BatchesDep,
+    files: FilesDep,
+    webhook_url: Annotated[
+        str | None, Query(description="JSONL bodies: the batch's webhook URL")
+    ] = None,
+    deadline_s: Annotated[float | None, Query(gt=0, description="JSONL bodies")] = None,
+) -> BatchPublic:
+    """Validate every request, then enqueue all of them (or none): a JSON body
+    ``{"requests": [...], "webhook"?, "deadline_s"?}``, a JSONL body (one job a line), or
+    OpenAI's ``{"input_file_id", "endpoint"}`` naming an uploaded file."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip()
+    body = await request.body()
+    if content_type in JSONL_TYPES:
+        items = jsonl(body)
+        if isinstance(items, LineError):
+            raise refused([items], 1)
+        lines = [parse_native(item, number) for number, item in items]
+        webhook = WebhookTarget(url=webhook_url) if webhook_url else None
+        batch = await batches.create(tenant, lines, "/v1/jobs", webhook, deadline_s)
+    else:
+        try:
+            payload: Any = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise ApiError(
+                422, ErrorCode.VALIDATION_ERROR, f"Invalid request: body: not JSON ({exc.msg})"
+            ) from exc
+        if isinstance(payload, dict) and "input_file_id" in payload:
+            try:
+                spec = OpenAIBatchCreate.model_validate(payload)
+            except ValidationError as exc:
+                raise _invalid(exc) from exc
+            content = await files.content_of_upload(tenant, spec.input_file_id)
+            items = jsonl(content)
+            if isinstance(items, LineError):
+                raise refused([items], 1)
+            lines = [parse_openai(item, number, spec.endpoint) for number, item in items]
+            batch = await batches.create(
+                tenant,
+                lines,
+                spec.endpoint,
+                metadata=spec.metadata,
+                input_file_id=spec.input_file_id,
+            )
+        else:
+            try:
+                create = BatchCreate.model_validate(payload)
+            except ValidationError as exc:
+                raise _invalid(exc) from exc
+            lines = [parse_native(item, n) for n, item in enumerate(create.requests, 1)]
+            batch = await batches.create(
+                tenant, lines, "/v1/jobs", create.webhook, create.deadline_s, create.metadata
+            )
+    response.headers["Location"] = f"/v1/batches/{batch.id}"
+    return batch
+
+
+@router.get(
+    "/{batch_id}",
+    response_model=BatchPublic,
+    responses=responses(*AUTHENTICATED, ErrorCode.BATCH_NOT_FOUND),
+)
+async def get_batch(batch_id: str, tenant: TenantDep, batches: BatchesDep) -> BatchPublic:
+    """Counts by status, progress, and (once finished) the webhook's delivery."""
+    try:
+        batch = await batches.get(tenant, batch_id)
+    except (RedisError, OSError) as exc:
+        raise unavailable("the batch store is unreachable", exc, _NOT_READ) from exc
+    if batch is None:
+        raise _not_found(batch_id)
+    return batch
+
+
+@router.get(
+    "/{batch_id}/results",
+    response_class=StreamingResponse,
+    responses=_NDJSON | responses(*AUTHENTICATED, ErrorCode.BATCH_NOT_FOUND),
+)
+async def batch_results(batch_id: str, tenant: TenantDep, batches: BatchesDep) -> StreamingResponse:
+    """JSONL, in submission order: ``custom_id``, ``job_id``, ``status``, ``result``,
+    ``error``, ``metadata`` of each request (``status`` queued or running until it ends)."""
+    try:
+        batch = await batches.get(tenant, batch_id)
+    except (RedisError, OSError) as exc:
+        raise unavailable("the batch store is unreachable", exc, _NOT_READ) from exc
+    if batch is None:
+        raise _not_found(batch_id)
+
+    async def lines() -> AsyncIterator[bytes]:
+        async for chunk in batches.lines(batch_id):
+            out = []
+            for line, job in chunk:
+                entry = {
+                    "custom_id": line.custom_id,
+                    "job_id": line.job_id,
+                    "status": job.status.value if job else "expired",
+                    "result": job.result.model_dump(mode="json") if job and job.result else None,
+                    "error": job.error.model_dump(mode="json") if job and job.error else None,
+                    "metadata": (
+                        job.metadata.model_dump(mode="json") if job and job.metadata else None
+                    ),
+                }
+                out.append(json.dumps(entry, separators=(",", ":")) + "\n")
+            yield "".join(out).encode()
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+async def _cancel(batch_id: str, tenant: Any, batches: Any) -> BatchPublic:
+    try:
+        batch = await batches.cancel(tenant, batch_id)
+    except (RedisError, OSError) as exc:
+        raise unavailable("the batch store is unreachable", exc, _NOT_READ) from exc
+    if batch is None:
+        raise _not_found(batch_id)
+    result: BatchPublic = batch
+    return result
+
+
+_CANCEL_ERRORS = responses(*AUTHENTICATED, ErrorCode.BATCH_NOT_FOUND)
+
+
+@router.delete("/{batch_id}", response_model=BatchPublic, responses=_CANCEL_ERRORS)
+async def cancel_batch(batch_id: str, tenant: TenantDep, batches: BatchesDep) -> BatchPublic:
+    """Cancel every job of the batch that has not started; running jobs finish."""
+    return await _cancel(batch_id, tenant, batches)
+
+
+@router.post("/{batch_id}/cancel", response_model=BatchPublic, responses=_CANCEL_ERRORS)
+async def cancel_batch_openai(batch_id: str, tenant: TenantDep, batches: BatchesDep) -> BatchPublic:
+    """OpenAI's spelling of ``DELETE /v1/batches/{id}``."""
+    return await _cancel(batch_id, tenant, batches)

@@ -1,0 +1,46 @@
+"""``/v1/files``: OpenAI's Files API for batch input and output files."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, File, Form, UploadFile
+from fastapi.responses import Response
+
+from contracts.errors import ErrorCode
+from gateway.auth import TenantDep
+from gateway.deps import FilesDep
+from gateway.errors import AUTHENTICATED, responses
+from gateway.files import FileObject
+
+router = APIRouter(prefix="/v1/files", tags=["batches"])
+
+_JSONL: dict[int | str, dict[str, Any]] = {200: {"content": {"application/jsonl": {}}}}
+_ERRORS = responses(*AUTHENTICATED, ErrorCode.FILE_NOT_FOUND)
+
+
+@router.post("", response_model=FileObject, responses=responses(*AUTHENTICATED))
+async def upload_file(
+    tenant: TenantDep,
+    files: FilesDep,
+    file: Annotated[UploadFile, File(description="JSONL: one batch request a line")],
+    purpose: Annotated[str, Form(description="must be 'batch'")],
+) -> FileObject:
+    """Store a batch input file (``purpose=batch``) for ``POST /v1/batches``."""
+    content = await file.read()
+    return await files.upload(tenant, file.filename or "upload.jsonl", purpose, content)
+
+
+@router.get("/{file_id}", response_model=FileObject, responses=_ERRORS)
+async def get_file(file_id: str, tenant: TenantDep, files: FilesDep) -> FileObject:
+    return await files.meta(tenant, file_id)
+
+
+@router.get(
+    "/{file_id}/content",
+    response_class=Response,
+    responses=_JSONL | _ERRORS,
+)
+async def file_content(file_id: str, tenant: TenantDep, files: FilesDep) -> Response:
+    """The file's bytes: an upload, or a finished batch's output / error JSONL."""
+    return Response(await files.content(tenant, file_id), media_type="application/jsonl")

@@ -1,0 +1,159 @@
+"""Callback URLs that could reach inside the network are refused at submission, and again
+at connect time against the address actually connected to (DNS rebinding)."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+from redis import Redis
+
+from contracts.queues import Tier
+from contracts.registry import AdapterRecord
+from contracts.webhooks import DeliveryState, IPAddress, job_event_id
+from gateway import webhooks as gateway_webhooks
+from lorafleet.client import auth_headers
+from worker.webhooks.config import WebhookSettings
+from worker.webhooks.deliver import Deliverer
+from worker.webhooks.schedule import Schedule
+
+FORBIDDEN = [
+    "https://127.0.0.1/hook",
+    "https://localhost/hook",
+    "https://2130706433/hook",  # 127.0.0.1 as one decimal number
+    "https://10.1.2.3/hook",
+    "https://172.16.0.1/hook",
+    "https://192.168.1.1/hook",
+    "https://169.254.169.254/latest/meta-data",
+    "https://100.64.0.1/hook",
+    "https://224.0.0.1/hook",
+    "https://0.0.0.0/hook",
+    "https://[::1]/hook",
+    "https://[::]/hook",
+    "https://[fe80::1]/hook",
+    "https://[fd00::1]/hook",
+    "https://[ff02::1]/hook",
+    "https://[::ffff:127.0.0.1]/hook",
+    "https://[::ffff:10.0.0.1]/hook",
+    "https://[64:ff9b::7f00:1]/hook",
+    "https://[64:ff9b::a9fe:a9fe]/hook",
+    "https://[2002:7f00:1::1]/hook",
+    "http://93.184.216.34/hook",  # public, but not https
+    "https://user:pass@93.184.216.34/hook",
+    "ftp://93.184.216.34/hook",
+]
+
+
+def _cold(published: dict[str, AdapterRecord]) -> str:
+    return next(r.alias for r in published.values() if r.tier == Tier.COLD)
+
+
+@pytest.fixture
+def public_dns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway resolves ``*.test`` names to a public address (no DNS needed)."""
+    real = gateway_webhooks.resolve
+
+    async def resolve(host: str, port: int) -> list[IPAddress]:
+        if host.endswith(".test"):
+            return [ipaddress.ip_address("93.184.216.34")]
+        return await real(host, port)
+
+    monkeypatch.setattr(gateway_webhooks, "resolve", resolve)
+
+
+def test_each_forbidden_callback_is_refused_at_submission_and_enqueues_nothing(
+    private_gateway: Callable[..., Any],
+    tenant_key: Callable[..., str],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+    public_dns: None,
+) -> None:
+    key = tenant_key("acme")
+    with private_gateway() as url, httpx.Client(base_url=url, headers=auth_headers(key)) as http:
+        for target in FORBIDDEN:
+            body = {"adapter": _cold(published), "prompt": "hi", "webhook": {"url": target}}
+            response = http.post("/v1/jobs", json=body)
+            assert response.status_code == 422, (target, response.text)
+            error = response.json()["error"]
+            assert error["code"] == "webhook_url_forbidden", target
+            assert "Nothing was enqueued" in error["message"]
+        allowed = {"adapter": _cold(published), "prompt": "hi"}
+        allowed["webhook"] = {"url": "https://hooks.example.test/x"}  # type: ignore[assignment]
+        assert http.post("/v1/jobs", json=allowed).status_code == 202
+    assert len(list(private_redis.scan_iter("lorafleet:job:*"))) == 1
+
+
+@contextmanager
+def _listener() -> Iterator[tuple[int, list[Any]]]:
+    """A loopback TCP listener that counts the connections it accepts."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.2)
+    accepted: list[Any] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            accepted.append(conn)
+            conn.close()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1], accepted
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+
+
+def test_a_host_rebound_to_loopback_after_submission_is_never_connected_to(
+    private_gateway: Callable[..., Any],
+    tenant_key: Callable[..., str],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+    public_dns: None,
+) -> None:
+    key = tenant_key("acme")
+    with _listener() as (port, accepted):
+        url = f"https://rebind.test:{port}/hook"
+        with (
+            private_gateway() as gateway,
+            httpx.Client(base_url=gateway, headers=auth_headers(key)) as http,
+        ):
+            body = {"adapter": _cold(published), "prompt": "hi", "webhook": {"url": url}}
+            accepted_job = http.post("/v1/jobs", json=body)
+            assert accepted_job.status_code == 202  # resolved to a public address just now
+            job_id = accepted_job.json()["id"]
+            # Ending the job (here: cancelling it) creates its webhook event.
+            assert http.delete(f"/v1/jobs/{job_id}").status_code == 200
+
+        schedule = Schedule(private_redis)
+        event = schedule.event(job_event_id(job_id))
+        assert event is not None and event.url == url
+
+        def rebound(host: str, port: int) -> list[IPAddress]:
+            return [ipaddress.ip_address("127.0.0.1")]  # the name now points at loopback
+
+        deliverer = Deliverer(private_redis, WebhookSettings(), resolver=rebound)
+        conclusion = deliverer.attempt(event)
+        assert conclusion.state == DeliveryState.DEAD
+        assert conclusion.error is not None and "loopback" in conclusion.error
+        assert accepted == []
+
+        # The same attempt where loopback is allowed does reach the listener: the check
+        # above would have seen a connection.
+        permissive = WebhookSettings(webhook_allow_loopback=True, webhook_timeout_s=1)
+        Deliverer(private_redis, permissive, resolver=rebound).attempt(event)
+        assert len(accepted) == 1

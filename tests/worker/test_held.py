@@ -1,0 +1,40 @@
+"""Held deliveries are mirrored to Redis in order, off the caller's thread."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from redis import Redis
+
+from contracts.keys import held_key
+from worker.held import HeldDeliveries
+
+
+def _until(check: object, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_received_then_finished_is_written_in_order(redis: Redis) -> None:
+    worker = f"test:{uuid.uuid4().hex[:6]}"
+    held = HeldDeliveries(redis, worker)
+    held.start()
+    try:
+        for n in range(50):
+            held.received(f"task-{n}", f"tag-{n}")
+        for n in range(0, 50, 2):
+            held.finished(f"task-{n}")
+        _until(lambda: redis.hlen(held_key(worker)) == 25)
+        assert redis.hget(held_key(worker), "task-1") == "tag-1"
+        assert redis.hget(held_key(worker), "task-0") is None
+        # A job received and finished at once leaves nothing behind, whatever the batching.
+        held.received("quick", "tag-q")
+        held.finished("quick")
+    finally:
+        held.close()
+    assert not redis.hexists(held_key(worker), "quick")
+    assert redis.hlen(held_key(worker)) == 25
+    redis.delete(held_key(worker))

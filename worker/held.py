@@ -1,0 +1,79 @@
+"""The deliveries this worker holds, mirrored to Redis for the fleet's reapers.
+
+A delivery is recorded as soon as the consumer receives it (``lorafleet:held:<worker>``,
+task id -> broker delivery tag) and cleared once its outcome is stored; if this worker dies,
+another worker's reaper hands everything recorded back to its queue (``worker.reaper``).
+The writes happen on a thread of their own, in order and pipelined, so the consumer thread
+never waits on Redis; what remains exposed is the moment between a message's receipt and its
+write (normally well under a millisecond), covered by the visibility timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from redis import Redis
+from redis.exceptions import RedisError
+
+from contracts.keys import held_key
+from worker.background import Background
+
+log = logging.getLogger(__name__)
+
+_HOLD, _RELEASE = "hold", "release"
+RETRY_S = 0.5
+
+
+class HeldDeliveries:
+    def __init__(self, redis: Redis, worker_id: str) -> None:
+        self._redis = redis
+        self._key = held_key(worker_id)
+        self._ops: queue.SimpleQueue[tuple[str, str, str]] = queue.SimpleQueue()
+        self._writer = Background("held-deliveries", self._run, join_timeout_s=5)
+
+    def start(self) -> None:
+        self._writer.start()
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def received(self, task_id: str, delivery_tag: str) -> None:
+        """Called on the consumer thread as a message arrives: never blocks."""
+        self._ops.put((_HOLD, task_id, delivery_tag))
+
+    def finished(self, task_id: str) -> None:
+        """The outcome is stored (or the job handed back): nothing left to restore."""
+        self._ops.put((_RELEASE, task_id, ""))
+
+    def _run(self, stopping: threading.Event) -> None:
+        pending: list[tuple[str, str, str]] = []
+        while not (stopping.is_set() and not pending and self._ops.empty()):
+            if not pending:
+                try:
+                    pending.append(self._ops.get(timeout=0.2))
+                except queue.Empty:
+                    continue
+            while True:
+                try:
+                    pending.append(self._ops.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self._write(pending)
+                pending = []
+            except (RedisError, OSError) as exc:
+                # Kept in order and retried: the visibility timeout covers the meantime.
+                log.warning("could not record held deliveries (%s); retrying", exc)
+                if stopping.wait(RETRY_S):
+                    return
+
+    def _write(self, ops: list[tuple[str, str, str]]) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        for op, task_id, tag in ops:
+            if op == _HOLD:
+                pipe.hset(self._key, task_id, tag)
+            else:
+                pipe.hdel(self._key, task_id)
+        pipe.execute()

@@ -1,0 +1,77 @@
+"""The Celery app of the webhook worker (``celery -A worker.webhooks.app worker``).
+
+CPU only: it imports no engine. A dispatcher thread moves due deliveries from the schedule
+(``worker.webhooks.schedule``) onto the ``lorafleet.webhooks`` queue; pool threads run one
+attempt each. Messages are acknowledged on receipt: the schedule, not the broker, keeps an
+event alive (an attempt lost with its worker becomes due again when its lease ends), and no
+retry ever waits in a Celery countdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from celery import Celery
+from celery.signals import worker_ready, worker_shutdown
+from redis import Redis
+from redis.exceptions import RedisError
+
+from contracts.queues import DELIVER_WEBHOOK_TASK, WEBHOOKS_QUEUE
+from contracts.redis_policy import sync_options
+from contracts.telemetry import SENTRY_OPTIONS
+from worker.background import Background
+from worker.webhooks.config import get_settings
+from worker.webhooks.schedule import Schedule
+
+log = logging.getLogger(__name__)
+settings = get_settings()
+
+app = Celery(
+    "lorafleet-webhooks",
+    broker=settings.effective_broker_url,
+    include=["worker.webhooks.tasks"],
+)
+app.conf.update(
+    task_acks_late=False,
+    task_ignore_result=True,
+    task_default_queue=WEBHOOKS_QUEUE,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+)
+
+if settings.sentry_dsn:
+    import sentry_sdk
+
+    sentry_sdk.init(dsn=settings.sentry_dsn, **SENTRY_OPTIONS)
+
+redis = Redis.from_url(
+    settings.redis_url, decode_responses=True, socket_timeout=10, **sync_options()
+)
+_dispatcher: Background | None = None
+
+
+def _dispatch(stopping: threading.Event) -> None:
+    schedule = Schedule(redis)
+    while not stopping.is_set():
+        try:
+            for event_id in schedule.claim_due(settings.lease_s):
+                app.send_task(DELIVER_WEBHOOK_TASK, args=[event_id], queue=WEBHOOKS_QUEUE)
+        except (RedisError, OSError) as exc:
+            log.warning("webhook dispatch failed (%s); retrying", exc)
+        stopping.wait(settings.webhook_poll_s)
+
+
+@worker_ready.connect
+def _start_dispatcher(**_: Any) -> None:
+    global _dispatcher
+    _dispatcher = Background("webhook-dispatcher", _dispatch, join_timeout_s=10)
+    _dispatcher.start()
+
+
+@worker_shutdown.connect
+def _stop_dispatcher(**_: Any) -> None:
+    if _dispatcher is not None:
+        _dispatcher.close()

@@ -1,0 +1,198 @@
+"""One delivery attempt of one webhook event: build the body, sign it, POST it safely, and
+decide what happens next. A plain class: the Celery task is a thin shell around it."""
+
+from __future__ import annotations
+
+import email.utils
+import ipaddress
+import json
+import logging
+import random
+import socket
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import httpx
+from redis import Redis
+
+from contracts.batches import batch_public
+from contracts.jobs import JobPublic
+from contracts.keys import batch_key, job_key, webhook_secrets_key
+from contracts.webhooks import (
+    DeliveryState,
+    IPAddress,
+    SigningSecret,
+    SigningSecrets,
+    UrlRefusal,
+    address_refusal,
+    headers,
+    new_secret,
+    split_url,
+)
+from worker.webhooks.config import WebhookSettings
+from worker.webhooks.schedule import Conclusion, Event
+
+log = logging.getLogger(__name__)
+
+Resolver = Callable[[str, int], list[IPAddress]]
+
+
+def system_resolver(host: str, port: int) -> list[IPAddress]:
+    """Every address ``host`` resolves to, in the resolver's order."""
+    found: list[IPAddress] = []
+    for *_, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        ip = ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0])
+        if ip not in found:
+            found.append(ip)
+    return found
+
+
+class Refused(Exception):
+    """The callback must not be made (its address is forbidden); never retried."""
+
+
+def _retry_after_s(value: str | None) -> float | None:
+    if not value:
+        return None
+    if value.strip().isdigit():
+        return float(value.strip())
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, (when - datetime.now(tz=UTC)).total_seconds())
+
+
+class Deliverer:
+    def __init__(
+        self,
+        redis: Redis,
+        settings: WebhookSettings,
+        resolver: Resolver = system_resolver,
+    ) -> None:
+        self._redis = redis
+        self._settings = settings
+        self._resolver = resolver
+        self._http = httpx.Client(
+            follow_redirects=False, timeout=settings.webhook_timeout_s, trust_env=False
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def attempt(self, event: Event) -> Conclusion:
+        """POST ``event`` once; what the schedule should do next."""
+        body = self._payload(event)
+        if body is None:
+            return Conclusion(DeliveryState.DEAD, None, f"the {event.kind} record has expired")
+        now = time.time()
+        signed = headers(self._secrets(event.tenant, now), event.event_id, int(now), body)
+        try:
+            status, retry_after = self._post(event.url, body, signed)
+        except Refused as exc:
+            return Conclusion(DeliveryState.DEAD, None, f"refused: {exc}")
+        except httpx.HTTPError as exc:
+            return self._retry(event, None, f"{type(exc).__name__}: {exc}", None)
+        if 200 <= status < 300:
+            return Conclusion(DeliveryState.DELIVERED, status, None, delivered_at=time.time())
+        if status == 410:
+            return Conclusion(DeliveryState.DEAD, status, "the receiver answered 410 Gone")
+        if status == 429 or status >= 500:
+            return self._retry(event, status, f"HTTP {status}", retry_after)
+        return Conclusion(DeliveryState.DEAD, status, f"HTTP {status}: not retried")
+
+    def _retry(
+        self, event: Event, status: int | None, error: str, retry_after: float | None
+    ) -> Conclusion:
+        settings = self._settings
+        attempts = event.attempts + 1
+        if retry_after is not None:
+            delay = min(retry_after, settings.webhook_backoff_max_s)
+        else:
+            exponential = settings.webhook_backoff_s * 2 ** (attempts - 1)
+            # Equal jitter: receivers coming back are not hit by every sender at once.
+            delay = min(exponential, settings.webhook_backoff_max_s) * random.uniform(0.5, 1.0)
+        next_at = time.time() + delay
+        if next_at > event.created_at + settings.webhook_retry_window_s:
+            window = f"{settings.webhook_retry_window_s:g} s"
+            return Conclusion(DeliveryState.DEAD, status, f"{error}; retry window {window} spent")
+        return Conclusion(DeliveryState.PENDING, status, error, next_attempt_at=next_at)
+
+    def _payload(self, event: Event) -> bytes | None:
+        if event.kind == "batch":
+            fields: dict[str, str] = self._redis.hgetall(batch_key(event.subject))  # type: ignore[assignment]
+            if not fields:
+                return None
+            data = batch_public(fields).model_dump(mode="json")
+            kind = "batch.completed"
+        else:
+            raw = self._redis.hget(job_key(event.subject), "record")
+            if raw is None:
+                return None
+            job = JobPublic.model_validate_json(str(raw))
+            data = job.model_dump(mode="json", exclude={"webhook_delivery"})
+            kind = f"job.{job.status.value}"
+        envelope = {
+            "type": kind,
+            "timestamp": datetime.fromtimestamp(event.created_at, tz=UTC).isoformat(),
+            "data": data,
+        }
+        return json.dumps(envelope, separators=(",", ":")).encode()
+
+    def _secrets(self, tenant: str, now: float) -> list[str]:
+        key = webhook_secrets_key(tenant)
+        raw = self._redis.get(key)
+        if raw is None:
+            # First event of this tenant: make its secret (the CLI shows it from then on).
+            fresh = SigningSecrets(secrets=[SigningSecret(secret=new_secret())])
+            self._redis.set(key, fresh.model_dump_json(), nx=True)
+            raw = self._redis.get(key)
+        return SigningSecrets.model_validate_json(str(raw)).live(now)
+
+    def _address(self, host: str, port: int) -> IPAddress:
+        """The first address of ``host`` that may be connected to, checked now (a host that
+        resolved to a public address at submission may resolve elsewhere by now)."""
+        try:
+            literal: IPAddress | None = ipaddress.ip_address(host)
+        except ValueError:
+            literal = None
+        try:
+            candidates = [literal] if literal is not None else self._resolver(host, port)
+        except OSError as exc:
+            raise httpx.ConnectError(f"{host} does not resolve: {exc}") from exc
+        reasons = []
+        for ip in candidates:
+            reason = address_refusal(ip, self._settings.webhook_allow_loopback)
+            if reason is None:
+                return ip
+            reasons.append(reason)
+        raise Refused(f"{host}: " + "; ".join(reasons))
+
+    def _post(self, url: str, body: bytes, signed: dict[str, str]) -> tuple[int, float | None]:
+        """POST to the checked address itself (Host header and TLS name stay the URL's);
+        reads at most ``webhook_max_response_bytes`` of the answer."""
+        try:
+            scheme, host, port = split_url(url, self._settings.webhook_allow_http)
+        except UrlRefusal as exc:
+            raise Refused(str(exc)) from exc
+        ip = self._address(host, port)
+        target = httpx.URL(url).copy_with(host=str(ip))
+        default = (scheme == "https" and port == 443) or (scheme == "http" and port == 80)
+        request_headers = {**signed, "host": host if default else f"{host}:{port}"}
+        deadline = time.monotonic() + self._settings.webhook_timeout_s
+        with self._http.stream(
+            "POST",
+            target,
+            content=body,
+            headers=request_headers,
+            extensions={"sni_hostname": host},
+        ) as response:
+            read = 0
+            for chunk in response.iter_raw():
+                read += len(chunk)
+                if read >= self._settings.webhook_max_response_bytes:
+                    break
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout("the receiver answered too slowly")
+            return response.status_code, _retry_after_s(response.headers.get("retry-after"))
