@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -33,7 +34,7 @@ from contracts.webhooks import WebhookTarget, batch_event_id
 from gateway import job_store
 from gateway.config import GatewaySettings
 from gateway.errors import ApiError, unavailable
-from gateway.openai_schemas import ChatCompletionCreate, CompletionCreate
+from gateway.openai_schemas import DEFAULT_MAX_TOKENS, ChatCompletionCreate, CompletionCreate
 from gateway.queue import enqueue_many
 from gateway.registry import Resolved
 from gateway.submit import Submission, Submitter, refusal_error
@@ -136,7 +137,7 @@ def parse_openai(item: Any, number: int, endpoint: BatchEndpoint) -> Parsed | Li
         if endpoint == "/v1/chat/completions":
             chat = ChatCompletionCreate.model_validate(line.body)
             chat.check()
-            sampling, model = chat.sampling(16), chat.model
+            sampling, model = chat.sampling(DEFAULT_MAX_TOKENS), chat.model
             submission = Submission(
                 adapter=model,
                 messages=[message.rendered() for message in chat.messages],
@@ -146,7 +147,9 @@ def parse_openai(item: Any, number: int, endpoint: BatchEndpoint) -> Parsed | Li
             completion = CompletionCreate.model_validate(line.body)
             completion.check()
             submission = Submission(
-                adapter=completion.model, prompt=completion.text, sampling=completion.sampling(16)
+                adapter=completion.model,
+                prompt=completion.text,
+                sampling=completion.sampling(DEFAULT_MAX_TOKENS),
             )
     except ValidationError as exc:
         return LineError(number, "body." + _first_problem(exc))
@@ -250,7 +253,7 @@ class Batches:
             seen.add(line.custom_id)
             request = line.submission
             if deadline_s is not None:
-                request = Submission(**{**request.__dict__, "deadline_s": deadline_s})
+                request = dataclasses.replace(request, deadline_s=deadline_s)
             try:
                 prepared.append(await self._submitter.prepare(tenant, request, resolved))
             except ApiError as exc:

@@ -15,6 +15,9 @@ from contracts.errors import ErrorCode
 from contracts.jobs import MAX_PROMPT_CHARS, JobPublic, ResultMetadata, Sampling, Usage
 from gateway.errors import ApiError
 
+DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for ``max_tokens`` when a request leaves it out."""
+
 # Parameter -> its neutral value: anything else is a feature we don't serve.
 _NEUTRAL: dict[str, Any] = {
     "n": 1,

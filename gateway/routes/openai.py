@@ -35,6 +35,7 @@ from gateway.errors import (
 )
 from gateway.idempotency import fingerprint
 from gateway.openai_schemas import (
+    DEFAULT_MAX_TOKENS,
     ChatCompletion,
     ChatCompletionCreate,
     Completion,
@@ -51,9 +52,6 @@ from gateway.streams import StreamDiverged, follow
 from gateway.submit import Idempotency, Submission
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-
-DEFAULT_MAX_TOKENS = 16
-"""OpenAI's default for ``max_tokens`` when a request leaves it out."""
 
 _JOB_FAILED = (
     ErrorCode.DEADLINE_EXCEEDED,

@@ -6,8 +6,10 @@ from __future__ import annotations
 import ipaddress
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -157,3 +159,98 @@ def test_a_host_rebound_to_loopback_after_submission_is_never_connected_to(
         permissive = WebhookSettings(webhook_allow_loopback=True, webhook_timeout_s=1)
         Deliverer(private_redis, permissive, resolver=rebound).attempt(event)
         assert len(accepted) == 1
+
+
+@contextmanager
+def _http_server(handler: Callable[[socket.socket], None]) -> Iterator[int]:
+    """A loopback server running ``handler`` on each connection (raw, to misbehave freely)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            threading.Thread(target=handler, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+
+
+def _event_for(private_redis: Redis, url: str) -> Any:
+    """A pending webhook event for ``url``, as a finished job would create it."""
+    from contracts.job_records import ADVANCE, advance_call
+    from contracts.jobs import JobPublic, JobStatus
+    from contracts.keys import job_key
+    from contracts.webhooks import WebhookTarget
+
+    job = JobPublic(
+        id=f"{time.monotonic_ns()}",
+        status=JobStatus.QUEUED,
+        tenant="acme",
+        adapter="a",
+        revision="sha256:" + "0" * 64,
+        tier=Tier.HOT,
+        queue="lorafleet.hot",
+        created_at=datetime.now(tz=UTC),
+        webhook=WebhookTarget(url=url),
+    )
+    private_redis.hset(job_key(job.id), mapping={"status": "queued", "record": "{}"})
+    done = job.model_copy(update={"status": JobStatus.SUCCEEDED})
+    keys, args = advance_call(done, 600)
+    private_redis.register_script(ADVANCE)(keys=keys, args=args)
+    event = Schedule(private_redis).event(job_event_id(job.id))
+    assert event is not None
+    return event
+
+
+LOCAL = WebhookSettings(webhook_allow_http=True, webhook_allow_loopback=True, webhook_timeout_s=0.5)
+
+
+def test_a_slow_receiver_times_out_and_is_retried(private_redis: Redis) -> None:
+    def slow(conn: socket.socket) -> None:
+        conn.recv(65536)
+        time.sleep(3)  # never answers within the attempt's bound
+        conn.close()
+
+    with _http_server(slow) as port:
+        event = _event_for(private_redis, f"http://127.0.0.1:{port}/hook")
+        started = time.monotonic()
+        conclusion = Deliverer(private_redis, LOCAL).attempt(event)
+        assert time.monotonic() - started < 3  # gave up before the receiver answered
+    assert conclusion.state == DeliveryState.PENDING
+    assert conclusion.error is not None and "Timeout" in conclusion.error
+
+
+def test_a_huge_response_is_read_only_up_to_the_cap(private_redis: Redis) -> None:
+    sent: list[int] = []
+
+    def huge(conn: socket.socket) -> None:
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 104857600\r\n\r\n")
+        chunk = b"x" * 65536
+        try:
+            for _ in range(1600):  # 100 MiB, unless the client stops reading
+                conn.sendall(chunk)
+                sent.append(len(chunk))
+        except OSError:
+            pass
+        conn.close()
+
+    with _http_server(huge) as port:
+        event = _event_for(private_redis, f"http://127.0.0.1:{port}/hook")
+        conclusion = Deliverer(private_redis, LOCAL).attempt(event)
+        time.sleep(0.5)
+    assert conclusion.state == DeliveryState.DELIVERED
+    assert sum(sent) < 50 * 1024 * 1024  # the deliverer hung up long before the end

@@ -250,3 +250,9 @@ def test_tenant_key_and_grant_commands(
         refused = _cli(args, env)
         assert refused.returncode == 1 and code in refused.stdout, (args, refused.stdout)
     assert _cli(["grants", "list", "cli-tenant"], env).stdout.split() == [alias]
+
+    shown = _cli(["tenants", "webhook-secret", "cli-tenant"], env).stdout.split()
+    assert shown[0].startswith("whsec_") and shown[1] == "current"
+    rotated = _cli(["tenants", "webhook-secret", "cli-tenant", "--rotate"], env).stdout.split()
+    assert rotated[0] != shown[0] and rotated[1] == "current"
+    assert rotated[2] == shown[0] and rotated[3] != "current"  # still signing, with an end
