@@ -242,6 +242,7 @@ class LocalStack:
         self.gateway_url = f"http://127.0.0.1:{port}"
         worker = self.spawn_worker(extra_env)
         self._spawn("webhooks", ["sh", "-c", "exec " + procfile_commands()["webhooks"]], env)
+        self._write_state()  # `stack down` stops exactly what stack.json lists
         wait_until(self._gateway_ready, self.settings.startup_timeout_s, "the gateway", [web])
         self.wait_worker(worker)
 

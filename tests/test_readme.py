@@ -12,6 +12,7 @@ from gateway.config import GatewaySettings
 from lorafleet.settings import LocalSettings
 from lorafleet.stack import procfile_commands
 from worker.config import WorkerSettings
+from worker.webhooks.config import WebhookSettings
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -21,7 +22,9 @@ def _documented() -> set[str]:
     return set(re.findall(r"^\| `([A-Z0-9_]+)` \|", README, flags=re.MULTILINE))
 
 
-@pytest.mark.parametrize("settings", [GatewaySettings, WorkerSettings, LocalSettings])
+@pytest.mark.parametrize(
+    "settings", [GatewaySettings, WorkerSettings, WebhookSettings, LocalSettings]
+)
 def test_every_setting_is_in_the_configuration_table(settings: type[BaseSettings]) -> None:
     prefix = settings.model_config.get("env_prefix", "")
     names = {
