@@ -18,6 +18,7 @@ class ErrorCode(StrEnum):
     JOB_FINISHED = "job_finished"
     SERVICE_UNAVAILABLE = "service_unavailable"
     UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
     TIER_LIMIT_EXCEEDED = "tier_limit_exceeded"
     TENANT_CONCURRENCY_EXCEEDED = "tenant_concurrency_exceeded"
     TENANT_RATE_EXCEEDED = "tenant_rate_exceeded"

@@ -37,6 +37,7 @@ class TenantRecord(BaseModel):
     name: str = Field(pattern=SLUG_PATTERN)
     created_at: datetime
     limits: TenantLimits = Field(default_factory=TenantLimits)
+    operator: bool = Field(default=False, description="may read fleet-wide state (/v1/fleet)")
 
 
 class ApiKeyRecord(BaseModel):

@@ -15,9 +15,10 @@ from gateway.body_limit import BodyLimit
 from gateway.config import GatewaySettings, get_settings
 from gateway.errors import install_error_handlers
 from gateway.files import Files
+from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels
 from gateway.queue import make_producer
-from gateway.routes import batches, files, health, jobs, openai
+from gateway.routes import batches, files, fleet, health, jobs, openai
 from gateway.submit import Submitter
 from gateway.waiter import JobWaiter
 
@@ -43,8 +44,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         )
         app.state.producer = make_producer(settings.effective_broker_url, settings.redis_timeout_s)
         app.state.models = BaseModels(app.state.redis)
+        app.state.metrics = GatewayMetrics(settings.metrics_top_adapters)
         app.state.submitter = Submitter(
-            app.state.redis, app.state.producer, app.state.models, settings
+            app.state.redis, app.state.producer, app.state.models, app.state.metrics, settings
         )
         app.state.batches = Batches(
             app.state.redis, app.state.producer, app.state.submitter, settings
@@ -80,4 +82,5 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(batches.router)
     app.include_router(files.router)
+    app.include_router(fleet.router)
     return app

@@ -6,6 +6,7 @@ import asyncio
 from datetime import UTC, datetime
 from typing import Annotated
 
+import sentry_sdk
 from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from redis.exceptions import RedisError
@@ -55,7 +56,20 @@ async def authenticate(
         raise _refused()
     if raw_tenant is None:
         raise _refused()
+    sentry_sdk.set_tag("tenant", key.tenant)
     return TenantRecord.model_validate_json(raw_tenant)
 
 
+async def operator(tenant: Annotated[TenantRecord, Depends(authenticate)]) -> TenantRecord:
+    if not tenant.operator:
+        raise ApiError(
+            403,
+            ErrorCode.FORBIDDEN,
+            f"Tenant {tenant.name!r} is not an operator; this endpoint needs an operator key "
+            "(`lorafleet tenants create NAME --operator`).",
+        )
+    return tenant
+
+
 TenantDep = Annotated[TenantRecord, Depends(authenticate)]
+OperatorDep = Annotated[TenantRecord, Depends(operator)]

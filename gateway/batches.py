@@ -226,8 +226,13 @@ class Batches:
                 return await self._create(
                     tenant, lines, endpoint, webhook, deadline_s, metadata, input_file_id
                 )
+        except ApiError as refused:
+            self._submitter.metrics.refused.labels(refused.code.value).inc()
+            raise
         except (RedisError, OSError, TimeoutError) as exc:
-            raise unavailable("Redis or the queue did not answer in time", exc) from exc
+            error = unavailable("Redis or the queue did not answer in time", exc)
+            self._submitter.metrics.refused.labels(error.code.value).inc()
+            raise error from exc
 
     async def _create(
         self,
@@ -286,6 +291,8 @@ class Batches:
             for line, job in zip(parsed, jobs, strict=True)
         ]
         await self._admit(tenant, record, jobs, reported, messages)
+        for job in jobs:
+            self._submitter.metrics.admitted_job(job.tier, job.adapter)
         return await self.get(tenant, batch_id)  # type: ignore[return-value]
 
     async def _admit(
@@ -371,7 +378,9 @@ class Batches:
             for line, job in chunk:
                 if job is not None and job.status == JobStatus.QUEUED:
                     ttl_s = self._settings.job_ttl_s
-                    await job_store.cancel_job(
+                    cancelled, wrote = await job_store.cancel_job(
                         self._redis, line.job_id, tenant.name, ttl_s, only_queued=True
                     )
+                    if wrote and cancelled is not None:
+                        self._submitter.metrics.job_cancelled(cancelled.tier)
         return await self.get(tenant, batch_id)

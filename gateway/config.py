@@ -81,6 +81,15 @@ class GatewaySettings(BaseSettings):
         ge=1024,
         description="Largest batch body or uploaded batch file; larger is 413.",
     )
+    fleet_target_jobs_per_worker: int = Field(
+        default=64, ge=1, description="Unfinished jobs one worker should hold (`/v1/fleet`)."
+    )
+    fleet_max_queue_age_s: float = Field(
+        default=30.0, gt=0, description="Oldest waiting job age that asks for one more worker."
+    )
+    metrics_top_adapters: int = Field(
+        default=20, ge=0, description="Adapters counted by name in metrics; the rest are 'other'."
+    )
     sentry_dsn: str | None = Field(
         default=None,
         validation_alias="SENTRY_DSN",

@@ -11,6 +11,7 @@ from redis.asyncio import Redis
 from gateway.batches import Batches
 from gateway.config import GatewaySettings
 from gateway.files import Files
+from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels
 from gateway.submit import Submitter
 from gateway.waiter import JobWaiter
@@ -56,6 +57,11 @@ def _files(request: Request) -> Files:
     return files
 
 
+def _metrics(request: Request) -> GatewayMetrics:
+    metrics: GatewayMetrics = request.app.state.metrics
+    return metrics
+
+
 SettingsDep = Annotated[GatewaySettings, Depends(_settings)]
 RedisDep = Annotated[Redis, Depends(_redis)]
 ProducerDep = Annotated[Celery, Depends(_producer)]
@@ -64,3 +70,4 @@ SubmitterDep = Annotated[Submitter, Depends(_submitter)]
 ModelsDep = Annotated[BaseModels, Depends(_models)]
 BatchesDep = Annotated[Batches, Depends(_batches)]
 FilesDep = Annotated[Files, Depends(_files)]
+MetricsDep = Annotated[GatewayMetrics, Depends(_metrics)]

@@ -132,6 +132,7 @@ _STATUS = {
     ErrorCode.BATCH_NOT_FOUND: 404,
     ErrorCode.FILE_NOT_FOUND: 404,
     ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.FORBIDDEN: 403,
     ErrorCode.ADAPTER_NOT_FOUND: 404,
     ErrorCode.JOB_NOT_FOUND: 404,
     ErrorCode.ADAPTER_RETIRED: 410,

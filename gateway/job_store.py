@@ -24,21 +24,22 @@ async def get_job(redis: Redis, job_id: str, tenant: str) -> JobPublic | None:
 
 async def cancel_job(
     redis: Redis, job_id: str, tenant: str, ttl_s: int, only_queued: bool = False
-) -> JobPublic | None:
+) -> tuple[JobPublic | None, bool]:
     """Move a queued or running job to ``cancelled``; the job as it is afterwards.
 
     The write is a compare-and-set on the attempts counter: if a worker claimed the job
     between our read and our write, read again and retry. A worker that later receives the
     job skips it; one running it hears the cancellation and aborts the engine request.
-    Returns ``None`` if there is no such job; a finished job is returned unchanged.
+    Returns the job (``None`` if there is no such job; a finished one unchanged) and whether
+    this call cancelled it.
     """
     advance = redis.register_script(ADVANCE)
     while True:
         job = await get_job(redis, job_id, tenant)
         if job is None or job.status.terminal:
-            return job
+            return job, False
         if only_queued and job.status != JobStatus.QUEUED:
-            return job
+            return job, False
         cancelled = job.model_copy(
             update={
                 "status": JobStatus.CANCELLED,
@@ -52,6 +53,6 @@ async def cancel_job(
         keys, args = advance_call(cancelled, ttl_s, expect_attempts=job.attempts)
         outcome = Advance(int(await advance(keys=keys, args=args)))
         if outcome == Advance.WRITTEN:
-            return cancelled
+            return cancelled, True
         if outcome == Advance.MISSING:
-            return None
+            return None, False

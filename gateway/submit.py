@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import sentry_sdk
 from celery import Celery
 from fastapi.concurrency import run_in_threadpool
 from redis.asyncio import Redis
@@ -33,6 +34,7 @@ from gateway import job_store
 from gateway.config import GatewaySettings
 from gateway.errors import ApiError, unavailable
 from gateway.idempotency import IdempotencyKeys, Reservation
+from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels, ChatTemplateError, ServedModel
 from gateway.queue import enqueue
 from gateway.registry import Resolved, resolve
@@ -80,11 +82,17 @@ class Idempotency:
 
 class Submitter:
     def __init__(
-        self, redis: Redis, producer: Celery, models: BaseModels, settings: GatewaySettings
+        self,
+        redis: Redis,
+        producer: Celery,
+        models: BaseModels,
+        metrics: GatewayMetrics,
+        settings: GatewaySettings,
     ) -> None:
         self._redis = redis
         self._producer = producer
         self._models = models
+        self.metrics = metrics
         self._settings = settings
 
     async def submit(
@@ -97,8 +105,15 @@ class Submitter:
         try:
             async with asyncio.timeout(self._settings.redis_timeout_s):
                 admitted, reserved = await self._submit(tenant, request, idempotency)
+        except ApiError as refused:
+            self.metrics.refused.labels(refused.code.value).inc()
+            raise
         except (RedisError, OSError, TimeoutError) as exc:
-            raise unavailable("Redis or the queue did not answer in time", exc) from exc
+            error = unavailable("Redis or the queue did not answer in time", exc)
+            self.metrics.refused.labels(error.code.value).inc()
+            raise error from exc
+        if not admitted.replayed:
+            self.metrics.admitted_job(admitted.job.tier, admitted.job.adapter)
         if reserved is not None and idempotency is not None:
             # The job is enqueued: answer 202 even if the key can't be marked (it then
             # expires as pending instead of being remembered for the full TTL).
@@ -115,6 +130,9 @@ class Submitter:
         """The admitted job, and the idempotency reservation to mark done if this request
         made one."""
         prepared = await self.prepare(tenant, request)
+        sentry_sdk.set_tags(
+            {"adapter": prepared.resolved.record.alias, "revision": prepared.resolved.record.digest}
+        )
         if request.webhook is not None:
             await check_target(request.webhook, self._settings)
 

@@ -216,13 +216,16 @@ def tenants_create(
     max_concurrent: MaxConcurrent = None,
     rate_per_s: RatePerS = None,
     burst: Burst = None,
+    operator: Annotated[
+        bool, typer.Option(help="May read fleet-wide state (GET /v1/fleet).")
+    ] = False,
 ) -> None:
     """Create tenant NAME and print its first API key (shown once; only a hash is kept)."""
     from contracts.tenants import TenantLimits
 
     limits = TenantLimits(max_concurrent=max_concurrent, rate_per_s=rate_per_s, burst=burst)
     try:
-        _, key = _tenants(_settings()).create(name, limits)
+        _, key = _tenants(_settings()).create(name, limits, operator)
     except RegistryError as exc:
         raise _refused(exc) from exc
     _show_key(key)

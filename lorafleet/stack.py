@@ -33,10 +33,12 @@ from lorafleet.tenants import Tenants
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROCFILE = REPO_ROOT / "Procfile"
 DEV_TENANT = "dev"
-# Callbacks to a receiver on this machine: allowed on a laptop, refused by default elsewhere.
-LOCAL_WEBHOOK_DEFAULTS = {
+LOCAL_DEFAULTS = {
+    # Callbacks to a receiver on this machine: allowed on a laptop, refused elsewhere.
     "LORAFLEET_WEBHOOK_ALLOW_HTTP": "true",
     "LORAFLEET_WEBHOOK_ALLOW_LOOPBACK": "true",
+    # Any free port for each worker's metrics (announced in its heartbeat).
+    "LORAFLEET_METRICS_PORT": "0",
 }
 
 # Local-only credentials for moto; a real deployment uses the standard AWS credential chain.
@@ -211,7 +213,7 @@ class LocalStack:
     def service_env(self) -> dict[str, str]:
         """Environment of the Procfile processes."""
         env = dict(os.environ)
-        for key, value in {**CPU_ENGINE_DEFAULTS, **LOCAL_WEBHOOK_DEFAULTS}.items():
+        for key, value in {**CPU_ENGINE_DEFAULTS, **LOCAL_DEFAULTS}.items():
             env.setdefault(key, value)
         if self.s3_is_local:
             env.update(LOCAL_AWS)

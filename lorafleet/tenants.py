@@ -40,11 +40,16 @@ class Tenants:
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
 
-    def create(self, name: str, limits: TenantLimits | None = None) -> tuple[TenantRecord, str]:
+    def create(
+        self, name: str, limits: TenantLimits | None = None, operator: bool = False
+    ) -> tuple[TenantRecord, str]:
         """A new tenant and its first API key (plaintext: shown once, never stored)."""
         check_name(name, "Tenant")
         record = TenantRecord(
-            name=name, created_at=datetime.now(tz=UTC), limits=limits or TenantLimits()
+            name=name,
+            created_at=datetime.now(tz=UTC),
+            limits=limits or TenantLimits(),
+            operator=operator,
         )
         if not self._redis.set(tenant_key(name), record.model_dump_json(), nx=True):
             raise RegistryError(ErrorCode.TENANT_EXISTS, f"A tenant named {name!r} exists.")

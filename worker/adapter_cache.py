@@ -29,6 +29,7 @@ from urllib3.exceptions import HTTPError
 
 from contracts.digests import CHUNK_BYTES, DIGEST_PREFIX, FileEntry, Manifest, manifest_of
 from contracts.storage import blob_key, manifest_key
+from worker import metrics
 from worker.errors import AdapterIntegrityError, AdapterUnavailableError
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ class AdapterCache:
             self._entries[DIGEST_PREFIX + path.name] = size
         with self._cond:
             self._evict_until(0)
+        metrics.RESIDENT.labels("disk").set(len(self._entries))
 
     @property
     def max_bytes(self) -> int:
@@ -222,6 +224,8 @@ class AdapterCache:
                 continue
             used -= self._entries.pop(digest)
             shutil.rmtree(self.path_for(digest), ignore_errors=True)
+            metrics.EVICTIONS.labels("disk").inc()
+            metrics.RESIDENT.labels("disk").set(len(self._entries))
             log.info("disk cache evicted %s", digest)
         return used + needed <= self._max_bytes
 
@@ -262,6 +266,7 @@ class AdapterCache:
             os.rename(tmp, final)
             with self._cond:
                 self._entries[digest] = manifest.size_bytes
+                metrics.RESIDENT.labels("disk").set(len(self._entries))
             return Fetched(final, loaded, fetch_ms, _ms(verify_start))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -124,6 +124,19 @@ class WorkerSettings(BaseSettings):
         description="Worker heartbeat period; a worker silent for 4 periods + 2 s is dead and "
         "its jobs go back to their queues.",
     )
+    queues: str = Field(
+        default="lorafleet.hot,lorafleet.warm,lorafleet.cold",
+        description="Queues this worker consumes (the Procfile hands the same variable to Celery).",
+    )
+    worker_concurrency: int = Field(
+        default=256, ge=1, description="Jobs in flight (the Procfile's Celery --concurrency)."
+    )
+    metrics_port: int = Field(
+        default=9400,
+        ge=0,
+        le=65535,
+        description="Prometheus metrics port (the next free one if taken; 0: any free port).",
+    )
     sentry_dsn: str | None = Field(
         default=None,
         validation_alias="SENTRY_DSN",

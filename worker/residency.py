@@ -19,6 +19,7 @@ from vllm.lora.request import LoRARequest
 
 from contracts.digests import short
 from contracts.jobs import LoadTimings, Residency
+from worker import metrics
 from worker.adapter_cache import AdapterCache
 from worker.engine import EngineHost
 from worker.errors import AdapterIntegrityError
@@ -179,6 +180,10 @@ class EngineAdapters:
             self._host.run(self._host.engine.add_lora(request))
             timings.engine_load = round((time.perf_counter() - start) * 1000, 3)
             self._handed[lora_id] = loaded
+            # The engine's CPU cache makes room by dropping its least recently used adapter.
+            dropped = registered - self.registered()
+            if dropped:
+                metrics.EVICTIONS.labels("cpu").inc(len(dropped))
         return Resident(request, loaded)
 
     def pin(self, alias: str, digest: str) -> Resident:

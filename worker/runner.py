@@ -29,6 +29,7 @@ from contracts.jobs import (
     Usage,
 )
 from contracts.registry import BaseModelRef
+from worker import metrics
 from worker.adapter_cache import AdapterCache
 from worker.engine import ENGINE_NAME, ENGINE_VERSION, EngineHost
 from worker.errors import AdapterIntegrityError, JobFailure
@@ -118,6 +119,7 @@ class JobRunner:
                 )
             with self._cache.hold(message.revision):
                 registered = self._adapters.registered()
+                metrics.RESIDENT.labels("cpu").set(len(registered))
                 residency = self._adapters.observe(message.revision, registered)
                 resident = self._adapters.make_resident(
                     message.adapter, message.revision, timings, registered

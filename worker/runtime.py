@@ -20,7 +20,7 @@ from contracts.jobs import LoadTimings
 from contracts.keys import WORKERS_INDEX, held_key, worker_key
 from contracts.redis_policy import sync_options
 from contracts.registry import AdapterRecord, BaseModelRef
-from worker import model_card
+from worker import metrics, model_card
 from worker.adapter_cache import AdapterCache
 from worker.background import Background
 from worker.cancels import CancelWatcher
@@ -93,6 +93,7 @@ class WorkerRuntime:
         )
         self.inflight = InFlight()
         self.held = HeldDeliveries(self.redis, self.worker_id)
+        self.metrics_port: int | None = None
         self.cancels = CancelWatcher(self.redis, self.jobs, self.inflight, settings.cancel_poll_s)
         self.reaper = Reaper(
             self.redis, settings.effective_broker_url, self.worker_id, settings.restore_interval_s
@@ -126,6 +127,8 @@ class WorkerRuntime:
 
     def announce(self) -> None:
         """Tell the fleet this worker consumes jobs; refreshed until ``close``."""
+        self.metrics_port = metrics.serve(self.settings.metrics_port)
+        log.info("metrics on port %d", self.metrics_port)
         self._announce()
         self._heartbeat.start()
         self.cancels.start()
@@ -169,6 +172,7 @@ class WorkerRuntime:
                 log.error("warm adapter %s not preloaded: %s", record.alias, failure.message)
                 continue
             self.warm_preloaded.append(resident.request.lora_name)
+        metrics.RESIDENT.labels("gpu").set(len(self.pinned))
         log.info("pinned %s; warm preloaded %s", self.pinned, self.warm_preloaded)
 
     def _announce(self) -> None:
@@ -186,6 +190,9 @@ class WorkerRuntime:
             "jobs_running": len(self.inflight),
             "engine_aborted_requests": self.runner.aborted_requests,
             "disk_cache_max_bytes": self.cache.max_bytes,
+            "metrics_port": self.metrics_port,
+            "queues": self.settings.queues.split(","),
+            "concurrency": self.settings.worker_concurrency,
             "seen_at": time.time(),
         }
         self.redis.set(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import sentry_sdk
 from celery.exceptions import Reject
 from pydantic import ValidationError
 from redis.exceptions import RedisError
@@ -18,6 +19,7 @@ from redis.exceptions import RedisError
 from contracts.errors import ErrorBody, ErrorCode
 from contracts.jobs import JobMessage
 from contracts.queues import RUN_JOB_TASK
+from worker import metrics
 from worker.celery_app import app, runtime
 from worker.errors import JobFailure, JobStopped, StopReason
 from worker.job_store import ClaimOutcome
@@ -59,7 +61,18 @@ def _run(payload: dict[str, Any]) -> None:
             )
             rt.jobs.fail(job, body, None)
         return
+    # Error reports name the job and the weights, never the prompt (contracts.telemetry).
+    sentry_sdk.set_tags(
+        {
+            "job_id": message.job_id,
+            "tenant": message.tenant,
+            "adapter": message.adapter,
+            "revision": message.revision,
+        }
+    )
     claim = rt.jobs.claim(message.job_id, rt.worker_id, rt.settings.max_attempts)
+    if claim.outcome == ClaimOutcome.EXHAUSTED:
+        metrics.job_finished(message, "failed", ErrorCode.ATTEMPTS_EXHAUSTED, None)
     if claim.outcome != ClaimOutcome.RUN or claim.job is None:
         log.info("job %s not run: %s", message.job_id, claim.outcome.value)
         return
@@ -77,9 +90,9 @@ def _run(payload: dict[str, Any]) -> None:
             raise Reject("worker shutting down", requeue=True) from None
         except JobFailure as failure:
             log.warning("job %s failed: %s %s", message.job_id, failure.code, failure.message)
-            rt.jobs.fail(
-                running, ErrorBody(code=failure.code, message=failure.message), failure.metadata
-            )
+            body = ErrorBody(code=failure.code, message=failure.message)
+            if rt.jobs.fail(running, body, failure.metadata):
+                metrics.job_finished(message, "failed", failure.code, failure.metadata)
             return
         except Exception as exc:
             log.exception("job %s crashed", message.job_id)
@@ -87,6 +100,8 @@ def _run(payload: dict[str, Any]) -> None:
                 code=ErrorCode.ENGINE_ERROR,
                 message=f"The worker could not run the job: {type(exc).__name__}.",
             )
-            rt.jobs.fail(running, body, None)
+            if rt.jobs.fail(running, body, None):
+                metrics.job_finished(message, "failed", ErrorCode.ENGINE_ERROR, None)
             raise
-    rt.jobs.succeed(running, result, metadata)
+    if rt.jobs.succeed(running, result, metadata):
+        metrics.job_finished(message, "succeeded", None, metadata)

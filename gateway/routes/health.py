@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
 from contracts.errors import ErrorCode
-from gateway.deps import RedisDep
+from gateway.deps import MetricsDep, RedisDep
 from gateway.errors import ApiError
 
 router = APIRouter(tags=["health"])
@@ -16,6 +17,21 @@ router = APIRouter(tags=["health"])
 async def healthz() -> dict[str, str]:
     """The process is up and serving HTTP."""
     return {"status": "ok"}
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(redis: RedisDep, gateway_metrics: MetricsDep) -> Response:
+    """Prometheus text format; no key (serve it on the internal network only)."""
+    try:
+        body = await gateway_metrics.render(redis)
+    except (RedisError, OSError) as exc:
+        raise ApiError(
+            503,
+            ErrorCode.SERVICE_UNAVAILABLE,
+            f"Redis is unreachable: {exc}",
+            headers={"Retry-After": "1"},
+        ) from exc
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/readyz")

@@ -12,7 +12,7 @@ from contracts.jobs import JobAccepted, JobCreate, JobPublic, JobStatus
 from contracts.webhooks import job_event_id
 from gateway import job_store
 from gateway.auth import TenantDep
-from gateway.deps import RedisDep, SettingsDep, SubmitterDep, WaiterDep
+from gateway.deps import MetricsDep, RedisDep, SettingsDep, SubmitterDep, WaiterDep
 from gateway.errors import ADMISSION, AUTHENTICATED, ApiError, responses, unavailable
 from gateway.idempotency import fingerprint
 from gateway.submit import Idempotency, Submission
@@ -123,7 +123,7 @@ async def get_job(
     responses=responses(*AUTHENTICATED, ErrorCode.JOB_NOT_FOUND, ErrorCode.JOB_FINISHED),
 )
 async def cancel_job(
-    job_id: str, tenant: TenantDep, redis: RedisDep, settings: SettingsDep
+    job_id: str, tenant: TenantDep, redis: RedisDep, settings: SettingsDep, metrics: MetricsDep
 ) -> JobPublic:
     """Cancel a job: a queued job never runs; a running one is aborted in the engine.
 
@@ -131,7 +131,7 @@ async def cancel_job(
     succeeded or failed is left as it is: 409 ``job_finished``.
     """
     try:
-        job = await job_store.cancel_job(redis, job_id, tenant.name, settings.job_ttl_s)
+        job, cancelled = await job_store.cancel_job(redis, job_id, tenant.name, settings.job_ttl_s)
     except (RedisError, OSError) as exc:
         raise unavailable("the job store is unreachable", exc, _NOT_CANCELLED) from exc
     if job is None:
@@ -142,4 +142,6 @@ async def cancel_job(
             ErrorCode.JOB_FINISHED,
             f"Job {job_id!r} already {job.status.value}; there is nothing to cancel.",
         )
+    if cancelled:
+        metrics.job_cancelled(job.tier)
     return job

@@ -1,0 +1,46 @@
+"""Prometheus metric names: one place, shared by the gateway, the worker and the shipped
+alert rules (``infra/``), so a rename breaks the manifest test rather than an alert."""
+
+from __future__ import annotations
+
+# Gateway
+QUEUE_DEPTH = "lorafleet_queue_depth"
+ADMITTED_UNFINISHED = "lorafleet_admitted_unfinished"
+QUEUE_OLDEST_AGE = "lorafleet_queue_oldest_age_seconds"
+JOBS_ADMITTED = "lorafleet_jobs_admitted_total"
+ADMISSIONS_REFUSED = "lorafleet_admissions_refused_total"
+ADAPTER_REQUESTS = "lorafleet_adapter_requests_total"
+# Gateway (cancellations) and worker (everything else)
+JOBS_FINISHED = "lorafleet_jobs_finished_total"
+# Worker
+JOB_E2E = "lorafleet_job_e2e_seconds"
+JOB_QUEUE_WAIT = "lorafleet_job_queue_wait_seconds"
+JOB_TTFT = "lorafleet_job_ttft_seconds"
+ADAPTER_LOOKUPS = "lorafleet_adapter_lookups_total"
+ADAPTER_LOAD = "lorafleet_adapter_load_seconds"
+ADAPTER_EVICTIONS = "lorafleet_adapter_evictions_total"
+ADAPTERS_RESIDENT = "lorafleet_adapters_resident"
+IDENTITY_CHECKS = "lorafleet_identity_checks_total"
+
+OTHER = "other"
+"""The ``adapter`` label of requests for aliases beyond the top K."""
+
+ALL = frozenset(
+    {
+        QUEUE_DEPTH,
+        ADMITTED_UNFINISHED,
+        QUEUE_OLDEST_AGE,
+        JOBS_ADMITTED,
+        ADMISSIONS_REFUSED,
+        ADAPTER_REQUESTS,
+        JOBS_FINISHED,
+        JOB_E2E,
+        JOB_QUEUE_WAIT,
+        JOB_TTFT,
+        ADAPTER_LOOKUPS,
+        ADAPTER_LOAD,
+        ADAPTER_EVICTIONS,
+        ADAPTERS_RESIDENT,
+        IDENTITY_CHECKS,
+    }
+)

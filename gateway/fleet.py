@@ -1,0 +1,110 @@
+"""Fleet state for operators and autoscalers (``GET /v1/fleet``), read from Redis: per tier,
+its queue, its admitted jobs, the workers consuming it, and how many workers it should have.
+
+Recommended replicas per tier::
+
+    by_load = ceil(admitted_unfinished / LORAFLEET_FLEET_TARGET_JOBS_PER_WORKER)
+    by_age  = workers + 1   if the oldest waiting job is older than
+                              LORAFLEET_FLEET_MAX_QUEUE_AGE_S, else 0
+    recommended = max(MIN_REPLICAS[tier], by_load, by_age)
+
+The hot pool never goes below one worker; warm and cold scale to zero when idle (the KEDA
+objects in ``infra/k8s`` implement the same rule from queue lengths).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+from pydantic import BaseModel
+from redis.asyncio import Redis
+
+from contracts.keys import WORKERS_INDEX, tier_ledger_key, worker_key
+from contracts.queues import Tier, queue_for
+from gateway.config import GatewaySettings
+from gateway.metrics import oldest_accepted_at
+
+MIN_REPLICAS = {Tier.HOT: 1, Tier.WARM: 0, Tier.COLD: 0}
+
+
+class WorkerView(BaseModel):
+    worker_id: str
+    queues: list[str]
+    pinned: list[str]
+    warm_preloaded: list[str]
+    jobs_running: int
+    free_slots: int
+    seen_s_ago: float
+
+
+class TierView(BaseModel):
+    tier: Tier
+    queue: str
+    queue_depth: int
+    admitted_unfinished: int
+    oldest_waiting_s: float
+    workers: list[WorkerView]
+    free_slots: int
+    recommended_replicas: int
+
+
+class Fleet(BaseModel):
+    tiers: list[TierView]
+    formula: str
+
+
+async def fleet(redis: Redis, settings: GatewaySettings) -> Fleet:
+    now = time.time()
+    ids = sorted(str(i) for i in await redis.smembers(WORKERS_INDEX))
+    async with redis.pipeline(transaction=False) as pipe:
+        for worker_id in ids:
+            pipe.get(worker_key(worker_id))
+        for tier in Tier:
+            pipe.llen(queue_for(tier))
+            pipe.zcount(tier_ledger_key(tier.value), now, "+inf")
+            pipe.lindex(queue_for(tier), -1)
+        replies = await pipe.execute()
+    workers = []
+    for raw in replies[: len(ids)]:
+        if raw is None:
+            continue  # its announcement expired: not alive
+        record = json.loads(raw)
+        running = int(record.get("jobs_running") or 0)
+        workers.append(
+            WorkerView(
+                worker_id=record["worker_id"],
+                queues=record.get("queues", []),
+                pinned=record.get("pinned", []),
+                warm_preloaded=record.get("warm_preloaded", []),
+                jobs_running=running,
+                free_slots=max(0, int(record.get("concurrency") or 0) - running),
+                seen_s_ago=round(now - float(record["seen_at"]), 3),
+            )
+        )
+    tiers = []
+    for index, tier in enumerate(Tier):
+        depth, unfinished, oldest = replies[len(ids) + index * 3 : len(ids) + index * 3 + 3]
+        accepted = oldest_accepted_at(oldest) if oldest is not None else None
+        age = max(0.0, now - accepted) if accepted else 0.0
+        serving = [w for w in workers if queue_for(tier) in w.queues]
+        by_load = math.ceil(int(unfinished) / settings.fleet_target_jobs_per_worker)
+        by_age = len(serving) + 1 if age > settings.fleet_max_queue_age_s else 0
+        tiers.append(
+            TierView(
+                tier=tier,
+                queue=queue_for(tier),
+                queue_depth=int(depth),
+                admitted_unfinished=int(unfinished),
+                oldest_waiting_s=round(age, 3),
+                workers=serving,
+                free_slots=sum(w.free_slots for w in serving),
+                recommended_replicas=max(MIN_REPLICAS[tier], by_load, by_age),
+            )
+        )
+    formula = (
+        f"max(min_replicas, ceil(admitted_unfinished / {settings.fleet_target_jobs_per_worker}),"
+        f" workers + 1 if oldest_waiting_s > {settings.fleet_max_queue_age_s:g})"
+    )
+    return Fleet(tiers=tiers, formula=formula)

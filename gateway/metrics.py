@@ -1,0 +1,89 @@
+"""The gateway's Prometheus metrics (``GET /metrics``): what it admits and refuses, and, read
+from Redis at each scrape, each tier's queue depth, admitted-unfinished jobs and the age of
+its oldest waiting job. Each app has its own registry (several apps may share a process)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from redis.asyncio import Redis
+
+from contracts import metrics as names
+from contracts.keys import tier_ledger_key
+from contracts.queues import Tier, queue_for
+
+
+def oldest_accepted_at(raw: str) -> float | None:
+    """When the job in a kombu message (Celery protocol 2) was admitted."""
+    try:
+        envelope = json.loads(raw)
+        args, _kwargs, _embed = json.loads(base64.b64decode(envelope["body"]))
+        return float(args[0]["accepted_at"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+class GatewayMetrics:
+    def __init__(self, top_adapters: int) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.admitted = Counter(names.JOBS_ADMITTED, "Jobs admitted.", ["tier"], registry=r)
+        self.refused = Counter(
+            names.ADMISSIONS_REFUSED, "Submissions refused, by error code.", ["code"], registry=r
+        )
+        self.finished = Counter(
+            names.JOBS_FINISHED,
+            "Jobs cancelled by their caller (the workers count every other outcome).",
+            ["tier", "status", "code"],
+            registry=r,
+        )
+        self.adapter_requests = Counter(
+            names.ADAPTER_REQUESTS,
+            f"Jobs admitted per adapter: the first {top_adapters} aliases by name, then "
+            f"'{names.OTHER}'.",
+            ["adapter"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(names.QUEUE_DEPTH, "Jobs waiting.", ["tier"], registry=r)
+        self.unfinished = Gauge(
+            names.ADMITTED_UNFINISHED, "Jobs admitted, not finished.", ["tier"], registry=r
+        )
+        self.oldest_age = Gauge(
+            names.QUEUE_OLDEST_AGE, "Age of the oldest waiting job, seconds.", ["tier"], registry=r
+        )
+        self._top_adapters = top_adapters
+        self._named: set[str] = set()
+        self._lock = threading.Lock()
+
+    def admitted_job(self, tier: Tier, alias: str) -> None:
+        self.admitted.labels(tier.value).inc()
+        with self._lock:
+            # A label for each of the first K aliases, kept for good (counters stay monotonic);
+            # every later alias counts as "other": cardinality never exceeds K + 1.
+            if alias not in self._named and len(self._named) < self._top_adapters:
+                self._named.add(alias)
+            label = alias if alias in self._named else names.OTHER
+        self.adapter_requests.labels(label).inc()
+
+    def job_cancelled(self, tier: Tier) -> None:
+        self.finished.labels(tier.value, "cancelled", "cancelled").inc()
+
+    async def render(self, redis: Redis) -> bytes:
+        now = time.time()
+        async with redis.pipeline(transaction=False) as pipe:
+            for tier in Tier:
+                pipe.llen(queue_for(tier))
+                pipe.zcount(tier_ledger_key(tier.value), now, "+inf")
+                pipe.lindex(queue_for(tier), -1)
+            replies = await pipe.execute()
+        for index, tier in enumerate(Tier):
+            depth, unfinished, oldest = replies[index * 3 : index * 3 + 3]
+            self.queue_depth.labels(tier.value).set(depth)
+            self.unfinished.labels(tier.value).set(unfinished)
+            accepted = oldest_accepted_at(oldest) if oldest is not None else None
+            self.oldest_age.labels(tier.value).set(max(0.0, now - accepted) if accepted else 0.0)
+        return generate_latest(self.registry)

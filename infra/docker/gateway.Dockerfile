@@ -1,0 +1,15 @@
+# The gateway (Procfile `web`); the same image runs the webhook workers (Procfile `webhooks`).
+# Build from the repository root: docker build -f infra/docker/gateway.Dockerfile .
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md Procfile ./
+COPY contracts contracts
+COPY gateway gateway
+COPY worker worker
+COPY lorafleet lorafleet
+# No extra: the gateway and the webhook worker need neither torch nor vLLM.
+RUN pip install --no-cache-dir . && useradd --uid 10001 lorafleet
+USER lorafleet
+ENV PORT=8000 LORAFLEET_GATEWAY_HOST=0.0.0.0
+EXPOSE 8000
+CMD uvicorn gateway.app:create_app --factory --host ${LORAFLEET_GATEWAY_HOST:-0.0.0.0} --port ${PORT:-8000} --timeout-keep-alive ${LORAFLEET_KEEP_ALIVE_S:-75}

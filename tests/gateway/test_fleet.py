@@ -1,0 +1,92 @@
+"""``GET /v1/fleet``: operators see queues, workers and recommended replicas; others don't."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+from redis import Redis
+
+from contracts.keys import WORKERS_INDEX, worker_key
+from contracts.queues import Tier
+from contracts.registry import AdapterRecord
+from contracts.tenants import ALL_ADAPTERS, TenantLimits
+from lorafleet.client import auth_headers
+from lorafleet.tenants import Tenants
+
+
+def test_fleet_shows_the_live_worker_and_its_pinned_adapters(
+    gateway_url: str, api: httpx.Client, redis: Redis, published: dict[str, AdapterRecord]
+) -> None:
+    tenants = Tenants(redis)
+    _, key = tenants.create(f"ops-{time.monotonic_ns()}", operator=True)
+    forbidden = api.get("/v1/fleet")
+    assert forbidden.status_code == 403
+    assert forbidden.json()["error"]["code"] == "forbidden"
+
+    fleet = httpx.get(f"{gateway_url}/v1/fleet", headers=auth_headers(key)).json()
+    assert [t["tier"] for t in fleet["tiers"]] == ["hot", "warm", "cold"]
+    hot_aliases = {r.alias for r in published.values() if r.tier == Tier.HOT}
+    for tier in fleet["tiers"]:
+        (worker,) = tier["workers"]  # the session's one worker consumes every tier
+        assert tier["queue"] in worker["queues"]
+        assert {name.split("@")[0] for name in worker["pinned"]} == hot_aliases
+        assert worker["free_slots"] <= 32 and worker["seen_s_ago"] < 30
+        load = math.ceil(tier["admitted_unfinished"] / 64)
+        assert tier["recommended_replicas"] >= max(1 if tier["tier"] == "hot" else 0, load)
+    assert "ceil(admitted_unfinished / 64)" in fleet["formula"]
+
+
+def test_recommended_replicas_follow_load_and_queue_age(
+    private_gateway: Callable[..., Any],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    tenants = Tenants(private_redis)
+    _, operator = tenants.create("ops", TenantLimits(max_concurrent=1000), operator=True)
+    tenants.grant("ops", ALL_ADAPTERS)
+    cold = next(r.alias for r in published.values() if r.tier == Tier.COLD)
+
+    async def submit(url: str, count: int) -> None:
+        async with httpx.AsyncClient(base_url=url, headers=auth_headers(operator)) as http:
+            body = {"adapter": cold, "prompt": "hi"}
+            posts = [http.post("/v1/jobs", json=body) for _ in range(count)]
+            assert {a.status_code for a in await asyncio.gather(*posts)} == {202}
+
+    settings = {"fleet_target_jobs_per_worker": 10, "fleet_max_queue_age_s": 1.0}
+    with (
+        private_gateway(**settings) as url,
+        httpx.Client(base_url=url, headers=auth_headers(operator)) as http,
+    ):
+        asyncio.run(submit(url, 25))
+        tiers = {t["tier"]: t for t in http.get("/v1/fleet").json()["tiers"]}
+        assert tiers["cold"]["queue_depth"] == 25 and tiers["cold"]["admitted_unfinished"] == 25
+        assert tiers["cold"]["recommended_replicas"] == 3  # ceil(25 / 10), no worker yet
+        assert tiers["hot"]["recommended_replicas"] == 1  # always on
+        assert tiers["warm"]["recommended_replicas"] == 0  # scales to zero
+        # Three cold workers announce themselves (busy, so none takes the queued jobs here).
+        for n in range(3):
+            worker_id = f"host:{n}"
+            record = {
+                "worker_id": worker_id,
+                "queues": ["lorafleet.cold"],
+                "pinned": [],
+                "warm_preloaded": [],
+                "jobs_running": 8,
+                "concurrency": 10,
+                "seen_at": time.time(),
+            }
+            private_redis.set(worker_key(worker_id), json.dumps(record), ex=60)
+            private_redis.sadd(WORKERS_INDEX, worker_id)
+        served = {t["tier"]: t for t in http.get("/v1/fleet").json()["tiers"]}["cold"]
+        assert len(served["workers"]) == 3 and served["free_slots"] == 6
+        assert served["recommended_replicas"] == 3  # load alone
+        time.sleep(1.2)  # the oldest job now waits longer than the age bound
+        aged = {t["tier"]: t for t in http.get("/v1/fleet").json()["tiers"]}["cold"]
+        assert aged["oldest_waiting_s"] > 1.0
+        assert aged["recommended_replicas"] == 4  # jobs wait too long: one more than now

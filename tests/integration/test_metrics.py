@@ -1,0 +1,84 @@
+"""Both metrics endpoints, scraped before and after a mixed workload, count what it did."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from redis import Redis
+
+from contracts import metrics as names
+from contracts.queues import Tier
+from contracts.registry import AdapterRecord
+from tests.helpers import run_jobs, worker_heartbeat
+
+Sample = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def _scrape(url: str) -> dict[Sample, float]:
+    response = httpx.get(url, timeout=30)
+    assert response.status_code == 200
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+Scrape = dict[Sample, float]
+
+
+def _delta(before: Scrape, after: Scrape, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_count_a_mixed_workload(
+    api: httpx.Client, gateway_url: str, redis: Redis, published: dict[str, AdapterRecord]
+) -> None:
+    worker_url = f"http://127.0.0.1:{worker_heartbeat(redis)['metrics_port']}/metrics"
+    gateway_before, worker_before = _scrape(f"{gateway_url}/metrics"), _scrape(worker_url)
+
+    by_tier = {tier: [r.alias for r in published.values() if r.tier == tier] for tier in Tier}
+    work = [(alias, "Extract the total") for tier in Tier for alias in by_tier[tier][:3]]
+    jobs = run_jobs(api, work, {"max_tokens": 4, "temperature": 0.0})
+    refused = api.post("/v1/jobs", json={"adapter": "no-such-adapter", "prompt": "hi"})
+    assert refused.status_code == 404
+    gateway_after, worker_after = _scrape(f"{gateway_url}/metrics"), _scrape(worker_url)
+
+    tiers = Counter(published[alias].tier.value for alias, _ in work)
+    for tier, count in tiers.items():
+        assert _delta(gateway_before, gateway_after, names.JOBS_ADMITTED, tier=tier) == count
+        finished = _delta(
+            worker_before, worker_after, names.JOBS_FINISHED, tier=tier, status="succeeded", code=""
+        )
+        assert finished == count
+        e2e = _delta(worker_before, worker_after, names.JOB_E2E + "_count", tier=tier)
+        assert e2e == count
+        assert ("lorafleet_queue_depth", (("tier", tier),)) in gateway_after
+    assert (
+        _delta(gateway_before, gateway_after, names.ADMISSIONS_REFUSED, code="adapter_not_found")
+        == 1
+    )
+
+    levels = Counter(job.metadata.residency_before for job in jobs if job.metadata)
+    for level in ("gpu", "cpu", "disk", "remote"):
+        assert (
+            _delta(worker_before, worker_after, names.ADAPTER_LOOKUPS, level=level)
+            == (levels[level])
+        ), level
+    assert _delta(worker_before, worker_after, names.IDENTITY_CHECKS, result="verified") == len(
+        jobs
+    )
+    assert _delta(worker_before, worker_after, names.IDENTITY_CHECKS, result="mismatched") == 0
+
+    requested = sum(
+        after - gateway_before.get(key, 0.0)
+        for key, after in gateway_after.items()
+        if key[0] == names.ADAPTER_REQUESTS
+    )
+    assert requested == len(jobs)
+    # The engine's own gauges are served alongside.
+    assert any(name == "vllm:num_requests_running" for name, _ in worker_after)
+    assert any(name == "vllm:kv_cache_usage_perc" for name, _ in worker_after)

@@ -1,0 +1,188 @@
+"""infra/ agrees with the code: queue names, env var names, ports, probes, commands, the
+drain timeout and the alert rules' metrics. A renamed setting or queue breaks this test."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic_settings import BaseSettings
+
+from contracts import metrics
+from contracts.queues import ALL_QUEUES, WEBHOOKS_QUEUE
+from gateway.app import create_app
+from gateway.config import GatewaySettings
+from gateway.fleet import MIN_REPLICAS
+from lorafleet.stack import procfile_commands
+from worker.config import WorkerSettings
+from worker.webhooks.config import WebhookSettings
+
+INFRA = Path(__file__).resolve().parents[1] / "infra"
+SETTINGS: list[type[BaseSettings]] = [GatewaySettings, WorkerSettings, WebhookSettings]
+FOREIGN = {
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "MINIO_ROOT_USER",
+    "MINIO_ROOT_PASSWORD",
+    "PATH",
+}
+
+
+def _env_names() -> set[str]:
+    names = set()
+    for settings in SETTINGS:
+        prefix = settings.model_config.get("env_prefix", "")
+        for name, field in settings.model_fields.items():
+            names.add(str(field.validation_alias or prefix + name.upper()))
+    for command in procfile_commands().values():
+        names |= set(re.findall(r"\$\{([A-Z0-9_]+)", command))
+    return names | {"PORT"}
+
+
+def _k8s() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted((INFRA / "k8s").glob("*.yaml")):
+        docs += [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return docs
+
+
+def _kind(kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in _k8s() if doc["kind"] == kind]
+
+
+def _deployment(name: str) -> dict[str, Any]:
+    (found,) = [d for d in _kind("Deployment") if d["metadata"]["name"] == name]
+    return found
+
+
+def _container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {item["name"]: str(item["value"]) for item in container.get("env", [])}
+
+
+def _compose() -> dict[str, Any]:
+    compose: dict[str, Any] = yaml.safe_load((INFRA / "compose.yaml").read_text())
+    return compose
+
+
+def _procfile_role(command: str) -> str:
+    """Which Procfile command ``command`` runs (``sh -c 'exec ...'`` or the bare command)."""
+    bare = command.strip()
+    if bare.startswith("sh -c"):
+        bare = bare.removeprefix("sh -c").strip().strip("'")
+    bare = bare.removeprefix("exec ").replace("$$", "$")
+    roles = [role for role, line in procfile_commands().items() if line == bare]
+    assert roles, f"not a Procfile command: {bare}"
+    return roles[0]
+
+
+def test_every_env_var_in_the_manifests_is_a_setting() -> None:
+    known = _env_names() | FOREIGN
+    used = set()
+    for doc in _k8s():
+        if doc["kind"] == "ConfigMap":
+            used |= set(doc["data"])
+        if doc["kind"] == "Deployment":
+            used |= set(_env(_container(doc)))
+    for service in _compose()["services"].values():
+        used |= set(service.get("environment", {}))
+    assert used - known == set()
+    for dockerfile in (INFRA / "docker").glob("*.Dockerfile"):
+        for line in dockerfile.read_text().replace("\\\n", " ").splitlines():
+            if line.startswith("ENV "):
+                assert set(re.findall(r"([A-Z][A-Z0-9_]+)=", line)) - known == set(), line
+
+
+def test_containers_run_the_procfile_commands() -> None:
+    for name, role in [
+        ("lorafleet-gateway", "web"),
+        ("lorafleet-webhooks", "webhooks"),
+        ("lorafleet-worker-hot", "worker"),
+        ("lorafleet-worker-warm", "worker"),
+        ("lorafleet-worker-cold", "worker"),
+    ]:
+        assert _procfile_role(" ".join(_container(_deployment(name))["command"])) == role
+    services = _compose()["services"]
+    for name, role in [("gateway", "web"), ("webhooks", "webhooks"), ("worker-hot", "worker")]:
+        assert _procfile_role(services[name]["command"]) == role
+    for dockerfile, role in [
+        ("gateway", "web"),
+        ("worker-gpu", "worker"),
+        ("worker-cpu", "worker"),
+    ]:
+        text = (INFRA / "docker" / f"{dockerfile}.Dockerfile").read_text()
+        (cmd,) = [line for line in text.splitlines() if line.startswith("CMD ")]
+        assert _procfile_role(cmd.removeprefix("CMD ")) == role
+
+
+def test_worker_queues_keda_triggers_and_minimum_replicas_match_the_code() -> None:
+    defaults = GatewaySettings()
+    for tier, minimum in MIN_REPLICAS.items():
+        name = f"lorafleet-worker-{tier.value}"
+        env = _env(_container(_deployment(name)))
+        assert env["LORAFLEET_QUEUES"].split(",") == [f"lorafleet.{tier.value}"]
+        (scaled,) = [
+            s for s in _kind("ScaledObject") if s["spec"]["scaleTargetRef"]["name"] == name
+        ]
+        assert scaled["spec"]["minReplicaCount"] == minimum
+        (trigger,) = scaled["spec"]["triggers"]
+        assert trigger["metadata"]["listName"] in ALL_QUEUES
+        assert trigger["metadata"]["listName"] == env["LORAFLEET_QUEUES"]
+        assert int(trigger["metadata"]["listLength"]) == defaults.fleet_target_jobs_per_worker
+    for service in _compose()["services"].values():
+        queues = service.get("environment", {}).get("LORAFLEET_QUEUES")
+        if queues:
+            assert set(queues.split(",")) <= set(ALL_QUEUES)
+    assert WEBHOOKS_QUEUE in procfile_commands()["webhooks"]
+
+
+def test_grace_periods_outlast_the_drain_timeout() -> None:
+    default_drain = WorkerSettings().drain_timeout_s
+    for tier in MIN_REPLICAS:
+        deployment = _deployment(f"lorafleet-worker-{tier.value}")
+        drain = float(_env(_container(deployment)).get("LORAFLEET_DRAIN_TIMEOUT_S", default_drain))
+        assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain
+    for name, service in _compose()["services"].items():
+        if name.startswith("worker-"):
+            drain = float(service["environment"].get("LORAFLEET_DRAIN_TIMEOUT_S", default_drain))
+            assert float(service["stop_grace_period"].removesuffix("s")) > drain
+
+
+def test_ports_and_probes_exist() -> None:
+    paths = {route.path for route in create_app(GatewaySettings()).routes}  # type: ignore[attr-defined]
+    gateway = _container(_deployment("lorafleet-gateway"))
+    (port,) = gateway["ports"]
+    assert str(port["containerPort"]) == _env(gateway)["PORT"]
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert gateway[probe]["httpGet"]["path"] in paths
+        assert gateway[probe]["httpGet"]["port"] == port["name"]
+    (service,) = [s for s in _kind("Service") if s["metadata"]["name"] == "lorafleet-gateway"]
+    assert service["spec"]["ports"][0]["targetPort"] == port["name"]
+    annotations = _deployment("lorafleet-gateway")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/path"] in paths
+    for tier in MIN_REPLICAS:
+        worker = _container(_deployment(f"lorafleet-worker-{tier.value}"))
+        (metrics_port,) = worker["ports"]
+        assert str(metrics_port["containerPort"]) == _env(worker)["LORAFLEET_METRICS_PORT"]
+        assert worker["readinessProbe"]["httpGet"]["port"] == metrics_port["name"]
+        assert "nvidia.com/gpu" in worker["resources"]["limits"]
+
+
+@pytest.mark.parametrize(
+    "rule", [r for g in _kind("PrometheusRule")[0]["spec"]["groups"] for r in g["rules"]]
+)
+def test_alert_rules_use_metrics_the_code_exports(rule: dict[str, Any]) -> None:
+    used = set(re.findall(r"\b(lorafleet_[a-z_]+)", rule["expr"]))
+    assert used and used <= metrics.ALL, used - metrics.ALL
+
+
+def test_pod_disruption_budgets_cover_the_always_on_pools() -> None:
+    budgets = {b["metadata"]["name"] for b in _kind("PodDisruptionBudget")}
+    assert {"lorafleet-gateway", "lorafleet-worker-hot"} <= budgets

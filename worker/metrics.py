@@ -1,0 +1,93 @@
+"""The worker's Prometheus metrics, served on ``LORAFLEET_METRICS_PORT`` with vLLM's own
+(``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``:
+the engine registers them in the same default registry).
+
+Several worker processes on one host: each binds the first free port from the configured
+one (``0``: any free port) and announces the port it got in its heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from contracts import metrics as names
+from contracts.errors import ErrorCode
+from contracts.jobs import JobMessage, ResultMetadata
+
+log = logging.getLogger(__name__)
+
+PORT_ATTEMPTS = 32
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+JOBS_FINISHED = Counter(
+    names.JOBS_FINISHED, "Jobs that reached a terminal state.", ["tier", "status", "code"]
+)
+E2E = Histogram(names.JOB_E2E, "Admission to outcome, seconds.", ["tier"], buckets=_LATENCY_BUCKETS)
+QUEUE_WAIT = Histogram(
+    names.JOB_QUEUE_WAIT,
+    "Admission to start on a worker, seconds.",
+    ["tier"],
+    buckets=_LATENCY_BUCKETS,
+)
+TTFT = Histogram(
+    names.JOB_TTFT, "Engine arrival to first token, seconds.", ["tier"], buckets=_LATENCY_BUCKETS
+)
+LOOKUPS = Counter(
+    names.ADAPTER_LOOKUPS,
+    "Jobs by where their adapter was before them (gpu/cpu: hit; disk, remote: miss).",
+    ["level"],
+)
+LOAD = Histogram(
+    names.ADAPTER_LOAD,
+    "Adapter loading phases, seconds, by where the adapter came from.",
+    ["phase", "source"],
+    buckets=_LATENCY_BUCKETS,
+)
+EVICTIONS = Counter(names.ADAPTER_EVICTIONS, "Adapters evicted, by level.", ["level"])
+RESIDENT = Gauge(names.ADAPTERS_RESIDENT, "Adapters resident on this worker.", ["level"])
+IDENTITY = Counter(
+    names.IDENTITY_CHECKS,
+    "Adapter identity checks before generation (mismatched must stay 0).",
+    ["result"],
+)
+
+
+def serve(port: int) -> int:
+    """Serve the metrics on ``port`` or the next free one; the port in use."""
+    if port == 0:
+        server, _ = start_http_server(0)
+        return int(server.server_port)
+    for candidate in range(port, port + PORT_ATTEMPTS):
+        try:
+            start_http_server(candidate)
+        except OSError:
+            continue
+        return candidate
+    raise OSError(f"no free metrics port in {port}..{port + PORT_ATTEMPTS - 1}")
+
+
+def job_finished(
+    message: JobMessage, status: str, code: ErrorCode | None, metadata: ResultMetadata | None
+) -> None:
+    """Count one stored outcome (call only when this delivery wrote it)."""
+    tier = message.tier.value
+    JOBS_FINISHED.labels(tier, status, code.value if code else "").inc()
+    if code == ErrorCode.ADAPTER_INTEGRITY:
+        IDENTITY.labels("mismatched").inc()
+    if metadata is None:
+        return
+    E2E.labels(tier).observe(metadata.e2e_ms / 1000)
+    QUEUE_WAIT.labels(tier).observe(metadata.queue_wait_ms / 1000)
+    if metadata.ttft_ms is not None:
+        TTFT.labels(tier).observe(metadata.ttft_ms / 1000)
+    if metadata.residency_before != "unknown":
+        LOOKUPS.labels(metadata.residency_before).inc()
+    if metadata.identity_verified:
+        IDENTITY.labels("verified").inc()
+    source = metadata.residency_before
+    for phase in ("fetch", "verify", "engine_load"):
+        ms = getattr(metadata.load_ms, phase)
+        if ms is not None:
+            LOAD.labels(phase, source).observe(ms / 1000)
