@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -65,12 +66,14 @@ def run_jobs(
 def paused(stack: LocalStack, queue: str) -> Iterator[None]:
     """The stack's worker stops consuming ``queue`` (jobs stay in Redis) until exit."""
     control = Celery(broker=stack.redis_url).control
-    replies = control.cancel_consumer(queue, reply=True, timeout=10)
+    # Addressed to the job worker alone (the node name the Procfile gives it by default).
+    node = [f"worker@{socket.gethostname()}"]
+    replies = control.cancel_consumer(queue, destination=node, reply=True, timeout=10)
     assert replies, "the worker did not answer cancel_consumer"
     try:
         yield
     finally:
-        assert control.add_consumer(queue, reply=True, timeout=10)
+        assert control.add_consumer(queue, destination=node, reply=True, timeout=10)
 
 
 # 240 new tokens: long enough that a job is still generating while a test acts on it.
