@@ -9,20 +9,31 @@ from typing import Any
 
 SCRUBBED = "[scrubbed]"
 
-# Celery's Sentry integration copies task arguments (a job's prompt) into ``extra``.
-_CELERY_EXTRA = "celery-job"
+SENSITIVE_KEYS = frozenset({"args", "kwargs", "prompt", "messages", "text", "token_ids", "body"})
+"""Keys whose values are replaced wherever they appear in an event: task arguments (a job's
+prompt) that Celery's integration copies into ``extra`` and Celery's own failure log passes
+as log parameters (which become ``logentry.params``, ``extra`` and breadcrumb ``data``), and
+any prompt or output field."""
+
+
+def _scrub(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {
+            key: SCRUBBED if key in SENSITIVE_KEYS else _scrub(item) for key, item in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [_scrub(item) for item in value]
+    return value
 
 
 def scrub_event(event: dict[str, Any], _hint: dict[str, Any]) -> dict[str, Any]:
-    """``before_send`` hook: drop request bodies and task arguments from a Sentry event."""
+    """``before_send`` hook: drop request bodies, task arguments, prompts and outputs."""
     request = event.get("request")
     if isinstance(request, dict) and "data" in request:
         request["data"] = SCRUBBED
-    extra = event.get("extra")
-    if isinstance(extra, dict) and isinstance(extra.get(_CELERY_EXTRA), dict):
-        for key in ("args", "kwargs"):
-            if key in extra[_CELERY_EXTRA]:
-                extra[_CELERY_EXTRA][key] = SCRUBBED
+    for section in ("extra", "logentry", "breadcrumbs", "contexts"):
+        if section in event:
+            event[section] = _scrub(event[section])
     return event
 
 

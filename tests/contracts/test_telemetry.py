@@ -31,3 +31,20 @@ def test_sentry_options_disable_bodies_locals_and_pii() -> None:
     assert SENTRY_OPTIONS["include_local_variables"] is False
     assert SENTRY_OPTIONS["send_default_pii"] is False
     assert SENTRY_OPTIONS["before_send"] is scrub_event
+
+
+def test_celery_failure_logs_lose_their_task_arguments() -> None:
+    # Celery logs a task failure with its arguments as parameters and as ``extra["data"]``;
+    # the logging integration turns those into logentry params, extra and breadcrumb data.
+    args = [{"job_id": "j1", "prompt": "secret invoice text", "sampling": {}}]
+    event = {
+        "logentry": {"message": "Task %(name)s[%(id)s] raised", "params": {"args": args}},
+        "extra": {"data": {"args": args, "kwargs": {}, "id": "j1"}},
+        "breadcrumbs": {"values": [{"category": "celery", "data": {"args": args}}]},
+        "tags": {"job_id": "j1"},
+    }
+    scrubbed = scrub_event(event, {})
+    assert "secret" not in repr(scrubbed)
+    assert scrubbed["extra"]["data"]["id"] == "j1"
+    assert scrubbed["logentry"]["message"] == "Task %(name)s[%(id)s] raised"
+    assert scrubbed["tags"] == {"job_id": "j1"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -91,6 +92,12 @@ def test_retired_alias_refuses_new_jobs_but_runs_queued_ones(
     publisher.registry.set_channel("rev-retire-chan", record.alias)
     with paused(stack, COLD):
         queued = _submit(api, record.alias)
+        # A receive the pause caught mid-poll hands its message back to the list: count
+        # once the job is visibly waiting there.
+        deadline = time.monotonic() + 30
+        while not redis.llen(COLD):
+            assert time.monotonic() < deadline, "the job never showed up in its queue"
+            time.sleep(0.05)
         before = redis.llen(COLD)
         publisher.registry.retire(record.alias)
         for name in (record.alias, "rev-retire-chan"):
