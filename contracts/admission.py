@@ -32,21 +32,30 @@ from contracts.queues import Tier
 LEDGER_GRACE_S = 60.0
 """A job still unfinished this long after its deadline no longer counts against limits."""
 
-ADMIT = """
+TAKE_TOKEN_LUA = """
+local function take_token(key, rate, burst, now)
+  local bucket = redis.call('HMGET', key, 'tokens', 'at')
+  local tokens = tonumber(bucket[1]) or burst
+  local at = tonumber(bucket[2]) or now
+  tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
+  if tokens < 1 then return (1 - tokens) / rate end
+  redis.call('HSET', key, 'tokens', tostring(tokens - 1), 'at', tostring(now))
+  redis.call('EXPIRE', key, math.ceil(burst / rate) + 1)
+  return nil
+end
+"""
+"""Lua: take one token from a tenant's bucket (refilled at ``rate``/s up to ``burst``);
+``nil`` if taken, else the seconds until one is there."""
+
+ADMIT = TAKE_TOKEN_LUA + """
 local now_t = redis.call('TIME')
 local now = tonumber(now_t[1]) + tonumber(now_t[2]) / 1e6
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return {'tier', '0'} end
 if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[4]) then return {'tenant', '0'} end
-local rate, burst = tonumber(ARGV[5]), tonumber(ARGV[6])
-local bucket = redis.call('HMGET', KEYS[3], 'tokens', 'at')
-local tokens = tonumber(bucket[1]) or burst
-local at = tonumber(bucket[2]) or now
-tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
-if tokens < 1 then return {'rate', tostring((1 - tokens) / rate)} end
-redis.call('HSET', KEYS[3], 'tokens', tostring(tokens - 1), 'at', tostring(now))
-redis.call('EXPIRE', KEYS[3], math.ceil(burst / rate) + 1)
+local wait = take_token(KEYS[3], tonumber(ARGV[5]), tonumber(ARGV[6]), now)
+if wait then return {'rate', tostring(wait)} end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 redis.call('HSET', KEYS[4], 'status', ARGV[7], 'record', ARGV[8], 'attempts', 0)
@@ -129,7 +138,7 @@ def verdict(reply: list[str]) -> Verdict:
     return Verdict(None if kind == "admitted" else Refusal(kind), retry)
 
 
-ADMIT_BATCH = """
+ADMIT_BATCH = TAKE_TOKEN_LUA + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 -- KEYS: 1 tenant ledger, 2 rate bucket, 3 batch hash, 4 batch lines, 5.. tier ledgers (hot,
@@ -153,14 +162,8 @@ for tier = 1, 3 do
   end
 end
 if redis.call('ZCARD', KEYS[1]) + total > tonumber(ARGV[1]) then return {'tenant', '0'} end
-local rate, burst = tonumber(ARGV[2]), tonumber(ARGV[3])
-local bucket = redis.call('HMGET', KEYS[2], 'tokens', 'at')
-local tokens = tonumber(bucket[1]) or burst
-local at = tonumber(bucket[2]) or now
-tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
-if tokens < 1 then return {'rate', tostring((1 - tokens) / rate)} end
-redis.call('HSET', KEYS[2], 'tokens', tostring(tokens - 1), 'at', tostring(now))
-redis.call('EXPIRE', KEYS[2], math.ceil(burst / rate) + 1)
+local wait = take_token(KEYS[2], tonumber(ARGV[2]), tonumber(ARGV[3]), now)
+if wait then return {'rate', tostring(wait)} end
 for i = 0, total - 1 do
   local base = 13 + i * 4
   local id, tier = ARGV[base], tonumber(ARGV[base + 1]) + 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
@@ -141,13 +141,7 @@ async def create_batch(
 )
 async def get_batch(batch_id: str, tenant: TenantDep, batches: BatchesDep) -> BatchPublic:
     """Counts by status, progress, and (once finished) the webhook's delivery."""
-    try:
-        batch = await batches.get(tenant, batch_id)
-    except (RedisError, OSError) as exc:
-        raise unavailable("the batch store is unreachable", exc, _NOT_READ) from exc
-    if batch is None:
-        raise _not_found(batch_id)
-    return batch
+    return await _existing(batches.get(tenant, batch_id), batch_id)
 
 
 @router.get(
@@ -158,12 +152,7 @@ async def get_batch(batch_id: str, tenant: TenantDep, batches: BatchesDep) -> Ba
 async def batch_results(batch_id: str, tenant: TenantDep, batches: BatchesDep) -> StreamingResponse:
     """JSONL, in submission order: ``custom_id``, ``job_id``, ``status``, ``result``,
     ``error``, ``metadata`` of each request (``status`` queued or running until it ends)."""
-    try:
-        batch = await batches.get(tenant, batch_id)
-    except (RedisError, OSError) as exc:
-        raise unavailable("the batch store is unreachable", exc, _NOT_READ) from exc
-    if batch is None:
-        raise _not_found(batch_id)
+    await _existing(batches.get(tenant, batch_id), batch_id)
 
     async def lines() -> AsyncIterator[bytes]:
         async for chunk in batches.lines(batch_id):
@@ -185,15 +174,15 @@ async def batch_results(batch_id: str, tenant: TenantDep, batches: BatchesDep) -
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
-async def _cancel(batch_id: str, tenant: Any, batches: Any) -> BatchPublic:
+async def _existing(read: Awaitable[BatchPublic | None], batch_id: str) -> BatchPublic:
+    """The batch ``read`` answers, 404 if there is none (for this tenant), 503 on Redis."""
     try:
-        batch = await batches.cancel(tenant, batch_id)
+        batch = await read
     except (RedisError, OSError) as exc:
         raise unavailable("the batch store is unreachable", exc, _NOT_READ) from exc
     if batch is None:
         raise _not_found(batch_id)
-    result: BatchPublic = batch
-    return result
+    return batch
 
 
 _CANCEL_ERRORS = responses(*AUTHENTICATED, ErrorCode.BATCH_NOT_FOUND)
@@ -202,10 +191,10 @@ _CANCEL_ERRORS = responses(*AUTHENTICATED, ErrorCode.BATCH_NOT_FOUND)
 @router.delete("/{batch_id}", response_model=BatchPublic, responses=_CANCEL_ERRORS)
 async def cancel_batch(batch_id: str, tenant: TenantDep, batches: BatchesDep) -> BatchPublic:
     """Cancel every job of the batch that has not started; running jobs finish."""
-    return await _cancel(batch_id, tenant, batches)
+    return await _existing(batches.cancel(tenant, batch_id), batch_id)
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchPublic, responses=_CANCEL_ERRORS)
 async def cancel_batch_openai(batch_id: str, tenant: TenantDep, batches: BatchesDep) -> BatchPublic:
     """OpenAI's spelling of ``DELETE /v1/batches/{id}``."""
-    return await _cancel(batch_id, tenant, batches)
+    return await _existing(batches.cancel(tenant, batch_id), batch_id)

@@ -13,6 +13,15 @@ from gateway.errors import ApiError
 router = APIRouter(tags=["health"])
 
 
+def _redis_unreachable(exc: Exception) -> ApiError:
+    return ApiError(
+        503,
+        ErrorCode.SERVICE_UNAVAILABLE,
+        f"Redis is unreachable: {exc}",
+        headers={"Retry-After": "1"},
+    )
+
+
 @router.get("/healthz")
 async def healthz() -> dict[str, str]:
     """The process is up and serving HTTP."""
@@ -25,12 +34,7 @@ async def metrics(redis: RedisDep, gateway_metrics: MetricsDep) -> Response:
     try:
         body = await gateway_metrics.render(redis)
     except (RedisError, OSError) as exc:
-        raise ApiError(
-            503,
-            ErrorCode.SERVICE_UNAVAILABLE,
-            f"Redis is unreachable: {exc}",
-            headers={"Retry-After": "1"},
-        ) from exc
+        raise _redis_unreachable(exc) from exc
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
@@ -40,10 +44,5 @@ async def readyz(redis: RedisDep) -> dict[str, str]:
     try:
         await redis.ping()
     except (RedisError, OSError) as exc:
-        raise ApiError(
-            503,
-            ErrorCode.SERVICE_UNAVAILABLE,
-            f"Redis is unreachable: {exc}",
-            headers={"Retry-After": "1"},
-        ) from exc
+        raise _redis_unreachable(exc) from exc
     return {"status": "ready"}

@@ -4,10 +4,7 @@ concurrency, refusals leave nothing behind, and nothing is admitted that was not
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -17,6 +14,7 @@ from contracts.keys import rate_key, tenant_ledger_key, tier_ledger_key
 from contracts.queues import Tier, queue_for
 from contracts.registry import AdapterRecord
 from lorafleet.client import auth_headers
+from tests.sockets import hang, tcp_server
 
 
 def _cold(published: dict[str, AdapterRecord]) -> str:
@@ -116,35 +114,6 @@ def test_rate_limit_refuses_past_the_burst_with_retry_after(
     assert _state(private_redis, "acme")["records"] == 3
 
 
-@contextmanager
-def _black_hole() -> Iterator[int]:
-    """A port that accepts connections and never answers (a hung Redis)."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(64)
-    accepted: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        server.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                accepted.append(server.accept()[0])
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield server.getsockname()[1]
-    finally:
-        stop.set()
-        thread.join()
-        for conn in accepted:
-            conn.close()
-        server.close()
-
-
 def test_queue_unreachable_is_503_and_leaves_no_ledger_entry_record_or_token(
     private_gateway: Callable[..., Any],
     tenant_key: Callable[..., str],
@@ -153,7 +122,7 @@ def test_queue_unreachable_is_503_and_leaves_no_ledger_entry_record_or_token(
 ) -> None:
     key = tenant_key("acme", rate_per_s=0.01, burst=2)
     with (
-        _black_hole() as port,
+        tcp_server(hang) as (port, _),
         private_gateway(broker_url=f"redis://127.0.0.1:{port}/0", redis_timeout_s=1.0) as url,
         httpx.Client(base_url=url, headers=auth_headers(key), timeout=20) as http,
     ):
@@ -176,7 +145,7 @@ def test_redis_hung_is_503_with_retry_after_within_the_bound(
     private_gateway: Callable[..., Any], published: dict[str, AdapterRecord]
 ) -> None:
     with (
-        _black_hole() as port,
+        tcp_server(hang) as (port, _),
         private_gateway(redis_url=f"redis://127.0.0.1:{port}/0", redis_timeout_s=0.5) as url,
     ):
         # The client gives up long before a hung call would end on its own; the answer must

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,6 +19,7 @@ from contracts.registry import AdapterRecord
 from contracts.webhooks import DeliveryState, IPAddress, job_event_id
 from gateway import webhooks as gateway_webhooks
 from lorafleet.client import auth_headers
+from tests.sockets import tcp_server
 from worker.webhooks.config import WebhookSettings
 from worker.webhooks.deliver import Deliverer
 from worker.webhooks.schedule import Schedule
@@ -91,35 +90,6 @@ def test_each_forbidden_callback_is_refused_at_submission_and_enqueues_nothing(
     assert len(list(private_redis.scan_iter("lorafleet:job:*"))) == 1
 
 
-@contextmanager
-def _listener() -> Iterator[tuple[int, list[Any]]]:
-    """A loopback TCP listener that counts the connections it accepts."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    server.settimeout(0.2)
-    accepted: list[Any] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                continue
-            accepted.append(conn)
-            conn.close()
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield server.getsockname()[1], accepted
-    finally:
-        stop.set()
-        thread.join()
-        server.close()
-
-
 def test_a_host_rebound_to_loopback_after_submission_is_never_connected_to(
     private_gateway: Callable[..., Any],
     tenant_key: Callable[..., str],
@@ -128,7 +98,7 @@ def test_a_host_rebound_to_loopback_after_submission_is_never_connected_to(
     public_dns: None,
 ) -> None:
     key = tenant_key("acme")
-    with _listener() as (port, accepted):
+    with tcp_server(lambda conn: conn.close()) as (port, accepted):
         url = f"https://rebind.test:{port}/hook"
         with (
             private_gateway() as gateway,
@@ -159,33 +129,6 @@ def test_a_host_rebound_to_loopback_after_submission_is_never_connected_to(
         permissive = WebhookSettings(webhook_allow_loopback=True, webhook_timeout_s=1)
         Deliverer(private_redis, permissive, resolver=rebound).attempt(event)
         assert len(accepted) == 1
-
-
-@contextmanager
-def _http_server(handler: Callable[[socket.socket], None]) -> Iterator[int]:
-    """A loopback server running ``handler`` on each connection (raw, to misbehave freely)."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    server.settimeout(0.2)
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                continue
-            threading.Thread(target=handler, args=(conn,), daemon=True).start()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield server.getsockname()[1]
-    finally:
-        stop.set()
-        thread.join()
-        server.close()
 
 
 def _event_for(private_redis: Redis, url: str) -> Any:
@@ -224,7 +167,7 @@ def test_a_slow_receiver_times_out_and_is_retried(private_redis: Redis) -> None:
         time.sleep(3)  # never answers within the attempt's bound
         conn.close()
 
-    with _http_server(slow) as port:
+    with tcp_server(slow) as (port, _):
         event = _event_for(private_redis, f"http://127.0.0.1:{port}/hook")
         started = time.monotonic()
         conclusion = Deliverer(private_redis, LOCAL).attempt(event)
@@ -248,7 +191,7 @@ def test_a_huge_response_is_read_only_up_to_the_cap(private_redis: Redis) -> Non
             pass
         conn.close()
 
-    with _http_server(huge) as port:
+    with tcp_server(huge) as (port, _):
         event = _event_for(private_redis, f"http://127.0.0.1:{port}/hook")
         conclusion = Deliverer(private_redis, LOCAL).attempt(event)
         time.sleep(0.5)
