@@ -1,0 +1,27 @@
+"""Several worker processes on one host: each gets its own metrics port."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+
+from worker import metrics
+
+
+def test_a_taken_port_moves_to_the_next_free_one() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        served = metrics.serve(port)
+        assert served != port and port < served < port + metrics.PORT_ATTEMPTS
+        metrics.RESIDENT.labels("disk").set(3)
+        text = httpx.get(f"http://127.0.0.1:{served}/metrics").text
+    assert 'lorafleet_adapters_resident{level="disk"} 3.0' in text
+
+
+def test_port_zero_takes_any_free_port() -> None:
+    served = metrics.serve(0)
+    assert served > 0
+    assert httpx.get(f"http://127.0.0.1:{served}/metrics").status_code == 200
