@@ -102,6 +102,7 @@ class LineError:
 class Parsed:
     """One valid line: the job to submit and how the line is reported."""
 
+    number: int
     submission: Submission
     custom_id: str
     endpoint: BatchEndpoint
@@ -123,7 +124,7 @@ def parse_native(item: Any, number: int) -> Parsed | LineError:
         adapter=request.adapter, prompt=request.prompt, sampling=request.sampling
     )
     custom_id = request.custom_id or str(number)
-    return Parsed(submission, custom_id, "/v1/jobs", request.adapter)
+    return Parsed(number, submission, custom_id, "/v1/jobs", request.adapter)
 
 
 def parse_openai(item: Any, number: int, endpoint: BatchEndpoint) -> Parsed | LineError:
@@ -157,7 +158,7 @@ def parse_openai(item: Any, number: int, endpoint: BatchEndpoint) -> Parsed | Li
         return LineError(number, exc.message, exc.code)
     if (line.body or {}).get("stream"):
         return LineError(number, "body.stream: batch requests can't stream")
-    return Parsed(submission, line.custom_id, endpoint, submission.adapter)
+    return Parsed(number, submission, line.custom_id, endpoint, submission.adapter)
 
 
 def jsonl(content: bytes) -> list[tuple[int, Any]] | LineError:
@@ -249,11 +250,9 @@ class Batches:
         seen: set[str] = set()
         resolved: dict[str, Resolved] = {}
         prepared = []
-        for number, line in enumerate(lines, 1):
-            if not isinstance(line, Parsed):
-                continue
+        for line in parsed:
             if line.custom_id in seen:
-                errors.append(LineError(number, f"custom_id {line.custom_id!r} is used twice"))
+                errors.append(LineError(line.number, f"custom_id {line.custom_id!r} is used twice"))
                 continue
             seen.add(line.custom_id)
             request = line.submission
@@ -262,7 +261,7 @@ class Batches:
             try:
                 prepared.append(await self._submitter.prepare(tenant, request, resolved))
             except ApiError as exc:
-                errors.append(LineError(number, exc.message, exc.code))
+                errors.append(LineError(line.number, exc.message, exc.code))
         if errors:
             raise refused(sorted(errors, key=lambda e: e.line), len(lines))
 

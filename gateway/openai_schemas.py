@@ -35,7 +35,7 @@ _NEUTRAL: dict[str, Any] = {
 }
 
 
-class _OpenAIRequest(BaseModel):
+class OpenAIRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(description="an adapter alias or channel the tenant is granted")
@@ -77,7 +77,7 @@ class _OpenAIRequest(BaseModel):
         )
 
 
-class CompletionCreate(_OpenAIRequest):
+class CompletionCreate(OpenAIRequest):
     """Body of ``POST /v1/completions``."""
 
     prompt: str | list[str] = Field(description="one prompt (a list of exactly one is accepted)")
@@ -125,7 +125,7 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content}
 
 
-class ChatCompletionCreate(_OpenAIRequest):
+class ChatCompletionCreate(OpenAIRequest):
     """Body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=1000)

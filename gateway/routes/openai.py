@@ -42,7 +42,7 @@ from gateway.openai_schemas import (
     CompletionCreate,
     ModelCard,
     ModelList,
-    _OpenAIRequest,
+    OpenAIRequest,
     chat_completion_of,
     completion_of,
     info_of,
@@ -152,7 +152,7 @@ async def create_chat_completion(body: ChatCompletionCreate, call: CallDep) -> A
     return await _complete(call, "/v1/chat/completions", body, submission, _CHAT)
 
 
-def _sampling(body: _OpenAIRequest) -> Sampling:
+def _sampling(body: OpenAIRequest) -> Sampling:
     try:
         return body.sampling(DEFAULT_MAX_TOKENS)
     except ValidationError as exc:
@@ -218,7 +218,7 @@ def _job_error(job: JobPublic | None, job_id: str, timeout_s: float) -> ApiError
 
 
 async def _complete(
-    call: _Call, route: str, body: _OpenAIRequest, submission: Submission, kind: _Kind
+    call: _Call, route: str, body: OpenAIRequest, submission: Submission, kind: _Kind
 ) -> Any:
     idempotency = None
     if call.idempotency_key is not None:
@@ -264,7 +264,7 @@ def _error_event(error: ApiError) -> bytes:
 async def _events(
     call: _Call,
     job: JobPublic,
-    body: _OpenAIRequest,
+    body: OpenAIRequest,
     kind: _Kind,
     created: int,
     timeout_s: float,

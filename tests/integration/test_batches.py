@@ -136,6 +136,12 @@ def test_a_batch_with_bad_lines_is_refused_whole_with_line_numbers(
     )
     assert bad_jsonl.status_code == 422
     assert bad_jsonl.json()["error"]["details"][0]["line"] == 2
+    # Line numbers are the file's own, blank lines included.
+    gap = f'{{"adapter": "{hot_alias(published)}", "prompt": "hi"}}\n\n{{"adapter": "x"}}\n'
+    with_gap = http.post(
+        "/v1/batches", content=gap.encode(), headers={"content-type": "application/jsonl"}
+    )
+    assert [d["line"] for d in with_gap.json()["error"]["details"]] == [3]
 
 
 def test_jsonl_batch_runs_and_cancel_stops_what_has_not_started(
