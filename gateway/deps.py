@@ -12,7 +12,6 @@ from gateway.batches import Batches
 from gateway.config import GatewaySettings
 from gateway.files import Files
 from gateway.metrics import GatewayMetrics
-from gateway.models import BaseModels
 from gateway.submit import Submitter
 from gateway.waiter import JobWaiter
 
@@ -42,11 +41,6 @@ def _submitter(request: Request) -> Submitter:
     return submitter
 
 
-def _models(request: Request) -> BaseModels:
-    models: BaseModels = request.app.state.models
-    return models
-
-
 def _batches(request: Request) -> Batches:
     batches: Batches = request.app.state.batches
     return batches
@@ -67,7 +61,6 @@ RedisDep = Annotated[Redis, Depends(_redis)]
 ProducerDep = Annotated[Celery, Depends(_producer)]
 WaiterDep = Annotated[JobWaiter, Depends(_waiter)]
 SubmitterDep = Annotated[Submitter, Depends(_submitter)]
-ModelsDep = Annotated[BaseModels, Depends(_models)]
 BatchesDep = Annotated[Batches, Depends(_batches)]
 FilesDep = Annotated[Files, Depends(_files)]
 MetricsDep = Annotated[GatewayMetrics, Depends(_metrics)]
