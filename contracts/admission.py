@@ -47,7 +47,9 @@ end
 """Lua: take one token from a tenant's bucket (refilled at ``rate``/s up to ``burst``);
 ``nil`` if taken, else the seconds until one is there."""
 
-ADMIT = TAKE_TOKEN_LUA + """
+ADMIT = (
+    TAKE_TOKEN_LUA
+    + """
 local now_t = redis.call('TIME')
 local now = tonumber(now_t[1]) + tonumber(now_t[2]) / 1e6
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -62,6 +64,7 @@ redis.call('HSET', KEYS[4], 'status', ARGV[7], 'record', ARGV[8], 'attempts', 0)
 redis.call('EXPIRE', KEYS[4], ARGV[9])
 return {'admitted', '0'}
 """
+)
 
 WITHDRAW = """
 redis.call('DEL', KEYS[4])
@@ -138,7 +141,9 @@ def verdict(reply: list[str]) -> Verdict:
     return Verdict(None if kind == "admitted" else Refusal(kind), retry)
 
 
-ADMIT_BATCH = TAKE_TOKEN_LUA + """
+ADMIT_BATCH = (
+    TAKE_TOKEN_LUA
+    + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 -- KEYS: 1 tenant ledger, 2 rate bucket, 3 batch hash, 4 batch lines, 5.. tier ledgers (hot,
@@ -180,6 +185,7 @@ redis.call('EXPIRE', KEYS[3], ARGV[8])
 redis.call('EXPIRE', KEYS[4], ARGV[8])
 return {'admitted', '0'}
 """
+)
 """Admit every job of a batch or none: each tier's and the tenant's limit must hold them
 all; the batch takes one token of the rate bucket (it is one request)."""
 
