@@ -251,10 +251,6 @@ class LocalStack:
     def spawn_worker(self, extra_env: dict[str, str] | None = None, name: str = "worker") -> Child:
         """Start one more worker (the Procfile command) without waiting for its engine."""
         env = {**self.service_env(), **(extra_env or {})}
-        if name != "worker" and "LORAFLEET_CACHE_DIR" not in (extra_env or {}):
-            # One worker process per disk cache directory (a second one would sweep the
-            # first's partial downloads at start).
-            env["LORAFLEET_CACHE_DIR"] = str(self.state_dir / f"cache-{name}")
         worker = self._spawn(name, ["sh", "-c", "exec " + procfile_commands()["worker"]], env)
         self._write_state()
         return worker

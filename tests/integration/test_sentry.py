@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from celery import Celery
@@ -72,7 +73,7 @@ def _events(bodies: list[bytes]) -> list[dict[str, Any]]:
 
 
 def test_an_unexpected_worker_error_reaches_sentry_tagged_and_without_the_prompt(
-    stack: LocalStack, redis: Redis, published: dict[str, AdapterRecord]
+    stack: LocalStack, redis: Redis, published: dict[str, AdapterRecord], tmp_path: Path
 ) -> None:
     record = published[hot_alias(published)]
     with _sentry() as (dsn, received):
@@ -82,6 +83,8 @@ def test_an_unexpected_worker_error_reaches_sentry_tagged_and_without_the_prompt
                 "SENTRY_DSN": dsn,
                 "LORAFLEET_QUEUES": QUEUE,
                 "LORAFLEET_WORKER_NAME": "sentry-worker@%h",
+                # One worker process per disk cache directory.
+                "LORAFLEET_CACHE_DIR": str(tmp_path / "cache"),
             },
             name="sentry-worker",
         )
