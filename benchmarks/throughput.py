@@ -51,7 +51,15 @@ WORDS = [
 ]
 NEW_TOKENS = 64
 QUEUE = queue_for(Tier.COLD)  # the adapters are published cold
-ENGINE = {"max_loras": 4, "max_cpu_loras": 8, "max_lora_rank": 8}
+# Both paths get these explicitly: left unset, vLLM picks different batch limits for its
+# offline ``LLM`` class (CPU: 256 sequences, 4,096 tokens a step) than for a server (128, 2,048).
+ENGINE = {
+    "max_loras": 4,
+    "max_cpu_loras": 8,
+    "max_lora_rank": 8,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 4096,
+}
 
 
 def prompts(count: int, seed: int = 3) -> list[str]:

@@ -1,5 +1,9 @@
 """How every lorafleet process connects to Redis.
 
+A process shares one client among all its requests or job threads. Its pool blocks when all
+``max_connections`` are busy and hands the next free connection over, rather than failing
+the command (redis-py's default pool raises ``MaxConnectionsError`` past 100 at once).
+
 A restarted (or failed-over) server closes every pooled connection; without a retry the first
 command on each of them fails. A command is retried once on a fresh connection, so a restart
 costs a little latency, and a server that stays down still fails fast for the caller to
@@ -10,6 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from redis import BlockingConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool as AsyncBlockingConnectionPool
+from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
@@ -33,3 +40,23 @@ def async_options() -> dict[str, Any]:
         "retry": AsyncRetry(ExponentialBackoff(**_BACKOFF), RETRIES),
         "retry_on_error": [ConnectionError, TimeoutError],
     }
+
+
+def sync_client(
+    url: str, max_connections: int, pool_timeout_s: float | None = 30.0, **options: Any
+) -> Redis:
+    """A client whose commands wait up to ``pool_timeout_s`` for a free connection."""
+    pool = BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=pool_timeout_s, **sync_options(), **options
+    )
+    return Redis.from_pool(pool)
+
+
+def async_client(
+    url: str, max_connections: int, pool_timeout_s: float | None, **options: Any
+) -> AsyncRedis:
+    """The asyncio twin of ``sync_client``."""
+    pool = AsyncBlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=pool_timeout_s, **async_options(), **options
+    )
+    return AsyncRedis.from_pool(pool)

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from contracts.redis_policy import async_options
+from contracts.redis_policy import async_client, async_options
 from contracts.telemetry import SENTRY_OPTIONS
 from gateway.batches import Batches
 from gateway.body_limit import BodyLimit
@@ -35,12 +35,14 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.settings = settings
-        app.state.redis = Redis.from_url(
+        # A burst of requests waits for a free connection, within the request's Redis bound.
+        app.state.redis = async_client(
             settings.redis_url,
+            settings.redis_max_connections,
+            pool_timeout_s=settings.redis_timeout_s,
             socket_timeout=settings.redis_timeout_s,
             socket_connect_timeout=settings.redis_timeout_s,
             decode_responses=True,
-            **async_options(),
         )
         app.state.producer = make_producer(settings.effective_broker_url, settings.redis_timeout_s)
         app.state.models = BaseModels(app.state.redis)

@@ -5,23 +5,14 @@ from __future__ import annotations
 from functools import lru_cache
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from contracts.queues import Tier
+from contracts.settings import ServiceSettings
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(ServiceSettings):
     """Every knob of the gateway. Env var = ``LORAFLEET_`` + field name, upper case."""
 
-    model_config = SettingsConfigDict(env_prefix="LORAFLEET_", extra="ignore")
-
-    redis_url: str = Field(
-        default="redis://127.0.0.1:6379/0",
-        description="Redis holding the registry, job records and (by default) the queues.",
-    )
-    broker_url: str | None = Field(
-        default=None, description="Celery broker URL; defaults to `redis_url`."
-    )
     redis_timeout_s: float = Field(
         default=2.0,
         gt=0,
@@ -90,15 +81,6 @@ class GatewaySettings(BaseSettings):
     metrics_top_adapters: int = Field(
         default=20, ge=0, description="Adapters counted by name in metrics; the rest are 'other'."
     )
-    sentry_dsn: str | None = Field(
-        default=None,
-        validation_alias="SENTRY_DSN",
-        description="Report unhandled errors to Sentry when set.",
-    )
-
-    @property
-    def effective_broker_url(self) -> str:
-        return self.broker_url or self.redis_url
 
     def tier_limit(self, tier: Tier) -> int:
         limits = {

@@ -8,25 +8,17 @@ from pathlib import Path
 from typing import Literal, cast, get_args
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from contracts.settings import ServiceSettings
 
 # The ranks vLLM accepts for max_lora_rank; anything else fails at engine start, so refuse early.
 LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
 LORA_RANKS: tuple[int, ...] = get_args(LoraRank)
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(ServiceSettings):
     """Every knob of a worker. Env var = ``LORAFLEET_`` + field name, upper case."""
 
-    model_config = SettingsConfigDict(env_prefix="LORAFLEET_", extra="ignore")
-
-    redis_url: str = Field(
-        default="redis://127.0.0.1:6379/0",
-        description="Redis holding the registry, job records and (by default) the queues.",
-    )
-    broker_url: str | None = Field(
-        default=None, description="Celery broker URL; defaults to `redis_url`."
-    )
     model: str = Field(
         default=".lorafleet/fixtures/base",
         description="Base model served by the engine: a local directory or a hub id.",
@@ -43,6 +35,18 @@ class WorkerSettings(BaseSettings):
     )
     max_lora_rank: int = Field(
         default=8, description="Largest adapter rank served (one of the ranks vLLM accepts)."
+    )
+    max_num_seqs: int | None = Field(
+        default=None,
+        ge=1,
+        description="Sequences the engine schedules in one step; `None`: what `vllm serve` "
+        "takes on this hardware (vLLM's server defaults).",
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens the engine processes in one step (prefill chunks included); "
+        "`None`: vLLM's server default for this hardware.",
     )
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0, le=1, description="Fraction of accelerator memory vLLM may use."
@@ -137,11 +141,6 @@ class WorkerSettings(BaseSettings):
         le=65535,
         description="Prometheus metrics port (the next free one if taken; 0: any free port).",
     )
-    sentry_dsn: str | None = Field(
-        default=None,
-        validation_alias="SENTRY_DSN",
-        description="Report unhandled errors to Sentry when set.",
-    )
 
     @field_validator("max_lora_rank")
     @classmethod
@@ -172,10 +171,6 @@ class WorkerSettings(BaseSettings):
     def announcement_ttl_s(self) -> int:
         """Seconds a worker's heartbeat key outlives its last beat."""
         return math.ceil(self.heartbeat_s * 4) + 2
-
-    @property
-    def effective_broker_url(self) -> str:
-        return self.broker_url or self.redis_url
 
 
 @lru_cache(maxsize=1)

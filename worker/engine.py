@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import psutil
 import vllm
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from worker.config import LoraRank, WorkerSettings
@@ -35,6 +36,8 @@ class EngineOptions:
     max_loras: int
     max_cpu_loras: int
     max_lora_rank: LoraRank
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
     gpu_memory_utilization: float
     enforce_eager: bool
 
@@ -47,12 +50,22 @@ class EngineOptions:
             max_loras=settings.max_loras,
             max_cpu_loras=settings.max_cpu_loras,
             max_lora_rank=settings.lora_rank,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             enforce_eager=settings.enforce_eager,
         )
 
     def engine_args(self) -> AsyncEngineArgs:
-        optional = {} if self.max_model_len is None else {"max_model_len": self.max_model_len}
+        optional = {
+            name: value
+            for name, value in (
+                ("max_model_len", self.max_model_len),
+                ("max_num_seqs", self.max_num_seqs),
+                ("max_num_batched_tokens", self.max_num_batched_tokens),
+            )
+            if value is not None
+        }
         return AsyncEngineArgs(
             model=self.model,
             dtype=self.dtype,  # type: ignore[arg-type]
@@ -106,13 +119,26 @@ class EngineHost:
         self._engine = self.run(self._build())
 
     async def _build(self) -> AsyncLLM:
-        return AsyncLLM.from_engine_args(self._options.engine_args())
+        # As a server, not as vLLM's library engine: unset batch limits then take the values
+        # `vllm serve` would on this hardware (the library context's fall back to 128 / 2048).
+        return AsyncLLM.from_engine_args(
+            self._options.engine_args(), usage_context=UsageContext.OPENAI_API_SERVER
+        )
 
     @property
     def engine(self) -> AsyncLLM:
         if self._engine is None:
             raise RuntimeError("the engine has not been started")
         return self._engine
+
+    @property
+    def batch_limits(self) -> dict[str, int]:
+        """The scheduler's limits the engine actually took (defaults resolved)."""
+        scheduler = self.engine.vllm_config.scheduler_config
+        return {
+            "max_num_seqs": scheduler.max_num_seqs,
+            "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        }
 
     def colocate_engine_core(self) -> set[int] | None:
         """Bind every engine process to the narrowest CPU set any of them is bound to.

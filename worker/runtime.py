@@ -13,12 +13,11 @@ from pathlib import Path
 
 import boto3
 from botocore.config import Config
-from redis import Redis
 
 from contracts.digests import manifest_of
 from contracts.jobs import LoadTimings
 from contracts.keys import WORKERS_INDEX, held_key, worker_key
-from contracts.redis_policy import sync_options
+from contracts.redis_policy import sync_client
 from contracts.registry import AdapterRecord, BaseModelRef
 from worker import metrics, model_card
 from worker.adapter_cache import AdapterCache
@@ -70,7 +69,9 @@ class WorkerRuntime:
         self.hostname = socket.gethostname()
         # Several workers may share a host: the announcement key needs the pid too.
         self.worker_id = f"{self.hostname}:{os.getpid()}"
-        self.redis = Redis.from_url(settings.redis_url, decode_responses=True, **sync_options())
+        self.redis = sync_client(
+            settings.redis_url, settings.redis_max_connections, decode_responses=True
+        )
         self.jobs = JobStore(self.redis, settings.job_ttl_s)
         self.cache = AdapterCache(
             settings.cache_dir,
@@ -118,6 +119,7 @@ class WorkerRuntime:
             )
         started = time.perf_counter()
         self.host.start()
+        log.info("engine batch limits %s", self.host.batch_limits)
         log.info("engine ready in %.1f s", time.perf_counter() - started)
         if self.settings.colocate_engine_core:
             log.info("engine processes bound to cores %s", self.host.colocate_engine_core())
@@ -183,6 +185,7 @@ class WorkerRuntime:
             "engine_version": ENGINE_VERSION,
             "max_loras": self.settings.max_loras,
             "max_cpu_loras": self.settings.max_cpu_loras,
+            **self.host.batch_limits,
             "pinned": self.pinned,
             "warm_preloaded": self.warm_preloaded,
             "disk_cache_bytes": self.cache.used_bytes(),

@@ -35,8 +35,16 @@ def _state(redis: Redis, tenant: str) -> dict[str, int]:
     }
 
 
-async def _submit_all(url: str, key: str, bodies: list[dict[str, Any]], **kw: Any) -> list[Any]:
-    async with httpx.AsyncClient(base_url=url, headers=auth_headers(key), timeout=30) as http:
+async def _submit_all(
+    url: str,
+    key: str,
+    bodies: list[dict[str, Any]],
+    limits: httpx.Limits = httpx.Limits(max_connections=100),
+    **kw: Any,
+) -> list[Any]:
+    async with httpx.AsyncClient(
+        base_url=url, headers=auth_headers(key), timeout=30, limits=limits
+    ) as http:
         return list(await asyncio.gather(*(http.post("/v1/jobs", json=b, **kw) for b in bodies)))
 
 
@@ -238,3 +246,26 @@ def test_idempotency_key_of_a_refused_request_is_free_for_a_retry(
         assert http.delete(f"/v1/jobs/{first.json()['id']}").status_code == 200
         retried = http.post("/v1/jobs", json=body, headers={"Idempotency-Key": "k2"})
         assert retried.status_code == 202
+
+
+def test_a_burst_wider_than_the_redis_pool_is_admitted_whole(
+    private_gateway: Callable[..., Any],
+    tenant_key: Callable[..., str],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    """120 requests at once on a gateway allowed 4 Redis connections: all wait their turn
+    (redis-py's default pool would fail the excess with 503s)."""
+    key = tenant_key("burst")
+    with private_gateway(redis_max_connections=4) as url:
+        bodies = [_job(_cold(published), f"prompt {n}") for n in range(120)]
+        answers = asyncio.run(
+            _submit_all(url, key, bodies, limits=httpx.Limits(max_connections=120))
+        )
+    assert [a.status_code for a in answers] == [202] * 120
+    assert _state(private_redis, "burst") == {
+        "records": 120,
+        "tier_ledger": 120,
+        "tenant_ledger": 120,
+        "queued": 120,
+    }

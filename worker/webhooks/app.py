@@ -15,11 +15,10 @@ from typing import Any
 
 from celery import Celery
 from celery.signals import worker_ready, worker_shutdown
-from redis import Redis
 from redis.exceptions import RedisError
 
 from contracts.queues import DELIVER_WEBHOOK_TASK, WEBHOOKS_QUEUE
-from contracts.redis_policy import sync_options
+from contracts.redis_policy import sync_client
 from contracts.telemetry import SENTRY_OPTIONS
 from worker.background import Background
 from worker.webhooks.config import get_settings
@@ -50,8 +49,8 @@ if settings.sentry_dsn:
 
     sentry_sdk.init(dsn=settings.sentry_dsn, **SENTRY_OPTIONS)
 
-redis = Redis.from_url(
-    settings.redis_url, decode_responses=True, socket_timeout=10, **sync_options()
+redis = sync_client(
+    settings.redis_url, settings.redis_max_connections, decode_responses=True, socket_timeout=10
 )
 _dispatcher: Background | None = None
 

@@ -5,20 +5,13 @@ from __future__ import annotations
 from functools import lru_cache
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from contracts.settings import ServiceSettings
 
 
-class WebhookSettings(BaseSettings):
+class WebhookSettings(ServiceSettings):
     """Every knob of a webhook worker. Env var = ``LORAFLEET_`` + field name, upper case."""
 
-    model_config = SettingsConfigDict(env_prefix="LORAFLEET_", extra="ignore")
-
-    redis_url: str = Field(
-        default="redis://127.0.0.1:6379/0", description="Redis holding events and their schedule."
-    )
-    broker_url: str | None = Field(
-        default=None, description="Celery broker URL; defaults to `redis_url`."
-    )
     webhook_timeout_s: float = Field(
         default=10.0, gt=0, description="Bound on one callback attempt (connect + response)."
     )
@@ -45,15 +38,6 @@ class WebhookSettings(BaseSettings):
     webhook_poll_s: float = Field(
         default=0.5, gt=0, description="How often the dispatcher looks for due deliveries."
     )
-    sentry_dsn: str | None = Field(
-        default=None,
-        validation_alias="SENTRY_DSN",
-        description="Report unhandled errors to Sentry when set.",
-    )
-
-    @property
-    def effective_broker_url(self) -> str:
-        return self.broker_url or self.redis_url
 
     @property
     def lease_s(self) -> float:
