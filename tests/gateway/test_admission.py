@@ -39,11 +39,14 @@ async def _submit_all(
     url: str,
     key: str,
     bodies: list[dict[str, Any]],
-    limits: httpx.Limits = httpx.Limits(max_connections=100),
+    connections: int = 100,
     **kw: Any,
 ) -> list[Any]:
     async with httpx.AsyncClient(
-        base_url=url, headers=auth_headers(key), timeout=30, limits=limits
+        base_url=url,
+        headers=auth_headers(key),
+        timeout=30,
+        limits=httpx.Limits(max_connections=connections),
     ) as http:
         return list(await asyncio.gather(*(http.post("/v1/jobs", json=b, **kw) for b in bodies)))
 
@@ -259,9 +262,7 @@ def test_a_burst_wider_than_the_redis_pool_is_admitted_whole(
     key = tenant_key("burst")
     with private_gateway(redis_max_connections=4) as url:
         bodies = [_job(_cold(published), f"prompt {n}") for n in range(120)]
-        answers = asyncio.run(
-            _submit_all(url, key, bodies, limits=httpx.Limits(max_connections=120))
-        )
+        answers = asyncio.run(_submit_all(url, key, bodies, connections=120))
     assert [a.status_code for a in answers] == [202] * 120
     assert _state(private_redis, "burst") == {
         "records": 120,
