@@ -33,7 +33,7 @@ from contracts.tenants import TenantRecord
 from contracts.webhooks import WebhookTarget, batch_event_id
 from gateway import job_store
 from gateway.config import GatewaySettings
-from gateway.errors import ApiError, unavailable
+from gateway.errors import ADMISSION_TIMED_OUT, ApiError, unavailable
 from gateway.openai_schemas import DEFAULT_MAX_TOKENS, ChatCompletionCreate, CompletionCreate
 from gateway.queue import enqueue_many
 from gateway.registry import Resolved
@@ -231,7 +231,7 @@ class Batches:
             self._submitter.metrics.refused.labels(refused.code.value).inc()
             raise
         except (RedisError, OSError, TimeoutError) as exc:
-            error = unavailable("Redis or the queue did not answer in time", exc)
+            error = unavailable(ADMISSION_TIMED_OUT, exc)
             self._submitter.metrics.refused.labels(error.code.value).inc()
             raise error from exc
 

@@ -74,6 +74,12 @@ class ApiError(Exception):
 NOT_ADMITTED = "The job was not accepted: {what} ({exc}). Nothing was enqueued; retry."
 
 
+# Within the bound, a burst queues for connections and CPU as well as for Redis itself.
+ADMISSION_TIMED_OUT = (
+    "Redis or the queue did not answer within the admission bound, or this gateway is overloaded"
+)
+
+
 def unavailable(what: str, exc: BaseException, template: str = NOT_ADMITTED) -> ApiError:
     """503 with ``Retry-After``: a dependency (Redis, the broker) did not answer in time."""
     message = template.format(what=what, exc=type(exc).__name__)

@@ -32,7 +32,7 @@ from contracts.tenants import TenantRecord
 from contracts.webhooks import WebhookTarget
 from gateway import job_store
 from gateway.config import GatewaySettings
-from gateway.errors import ApiError, unavailable
+from gateway.errors import ADMISSION_TIMED_OUT, ApiError, unavailable
 from gateway.idempotency import IdempotencyKeys, Reservation
 from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels, ChatTemplateError, ServedModel
@@ -109,7 +109,7 @@ class Submitter:
             self.metrics.refused.labels(refused.code.value).inc()
             raise
         except (RedisError, OSError, TimeoutError) as exc:
-            error = unavailable("Redis or the queue did not answer in time", exc)
+            error = unavailable(ADMISSION_TIMED_OUT, exc)
             self.metrics.refused.labels(error.code.value).inc()
             raise error from exc
         if not admitted.replayed:

@@ -11,8 +11,8 @@ import asyncio
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from vllm.lora.request import LoRARequest
@@ -40,32 +40,46 @@ class SlotGate:
     pinned ones, yet pinned adapters keep their GPU slots: a step with ``max_loras`` unpinned
     adapters then has no slot for one of them and the engine fails. Keeping in-flight unpinned
     adapters at ``max_loras - pinned`` makes every step fit.
+
+    Lives on the engine loop: a job waiting for a slot is a coroutine there, let in on the loop
+    iteration that frees the slot (no job thread has to wake up first, which at a wave of
+    hundreds of finishing jobs took over a second), and its deadline and cancellation apply
+    while it waits.
     """
 
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
-        self._cond = threading.Condition()
         self._active: Counter[int] = Counter()
+        self._change: asyncio.Future[None] | None = None
+
+    def _fits(self, lora_id: int) -> bool:
+        return lora_id in self._active or len(self._active) < self._capacity
+
+    def _changed(self) -> None:
+        """Wake every waiter to look again (in the order they started waiting)."""
+        change, self._change = self._change, None
+        if change is not None and not change.done():
+            change.set_result(None)
 
     def set_capacity(self, capacity: int) -> None:
-        with self._cond:
-            self._capacity = capacity
-            self._cond.notify_all()
+        self._capacity = capacity
+        self._changed()
 
-    @contextmanager
-    def slot(self, lora_id: int) -> Iterator[None]:
-        with self._cond:
-            while lora_id not in self._active and len(self._active) >= self._capacity:
-                self._cond.wait()
-            self._active[lora_id] += 1
+    @asynccontextmanager
+    async def slot(self, lora_id: int) -> AsyncIterator[None]:
+        while not self._fits(lora_id):
+            if self._change is None:
+                self._change = asyncio.get_running_loop().create_future()
+            # Shielded: a waiter cancelled (deadline, DELETE) must not cancel the others' wake-up.
+            await asyncio.shield(self._change)
+        self._active[lora_id] += 1
         try:
             yield
         finally:
-            with self._cond:
-                self._active[lora_id] -= 1
-                if self._active[lora_id] == 0:
-                    del self._active[lora_id]
-                self._cond.notify_all()
+            self._active[lora_id] -= 1
+            if not self._active[lora_id]:
+                del self._active[lora_id]
+                self._changed()
 
 
 class SharedQuestion:
@@ -196,14 +210,20 @@ class EngineAdapters:
         resident = self.make_resident(alias, digest, LoadTimings(), self.registered())
         self._host.run(self._host.engine.pin_lora(resident.request.lora_int_id))
         self._pinned.add(resident.request.lora_int_id)
-        self._gate.set_capacity(self._max_loras - len(self._pinned))
+        capacity = self._max_loras - len(self._pinned)
+
+        async def resize() -> None:
+            self._gate.set_capacity(capacity)
+
+        self._host.run(resize())
         return resident
 
-    @contextmanager
-    def in_flight(self, request: LoRARequest) -> Iterator[None]:
-        """Hold a GPU slot for ``request``'s adapter while it has a request in the engine."""
+    @asynccontextmanager
+    async def slot(self, request: LoRARequest) -> AsyncIterator[None]:
+        """On the engine loop: hold a GPU slot for ``request``'s adapter while it has a
+        request in the engine (pinned adapters own theirs)."""
         if request.lora_int_id in self._pinned:
             yield
             return
-        with self._gate.slot(request.lora_int_id):
+        async with self._gate.slot(request.lora_int_id):
             yield

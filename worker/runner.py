@@ -130,10 +130,9 @@ class JobRunner:
                         f"Revision {message.revision} was admitted but the engine holds "
                         f"{resident.loaded_digest}."
                     )
-                with self._adapters.in_flight(resident.request):
-                    running.check()
-                    _check_deadline(message, "waited for its adapter")
-                    generation = self._generate_unless_stopped(message, resident, running, attempt)
+                running.check()
+                _check_deadline(message, "waited for its adapter")
+                generation = self._generate_unless_stopped(message, resident, running, attempt)
         except JobFailure as failure:
             failure.metadata = self._metadata(message, started, residency, timings, None, None)
             raise
@@ -174,26 +173,41 @@ class JobRunner:
             try:
                 return future.result()
             except (concurrent.futures.CancelledError, asyncio.CancelledError):
-                self._aborted()
                 running.check()  # raises JobStopped: the only reason this future is cancelled
                 raise
 
     async def _generate_by_deadline(
         self, message: JobMessage, resident: Resident, attempt: int
     ) -> Generation:
-        """Generate, but no later than the job's deadline: past it the engine request is
-        aborted (cancelling ``generate`` aborts it in vLLM) and its batch slot freed."""
-        remaining_s = message.deadline_at - time.time()
+        """Wait for a GPU adapter slot, then generate, but no later than the job's deadline:
+        past it (or when the job is cancelled) the engine request is aborted (cancelling
+        ``generate`` aborts it in vLLM) and its batch slot freed."""
+        generating = False
+
+        async def slotted() -> Generation:
+            nonlocal generating
+            async with self._adapters.slot(resident.request):
+                generating = True
+                return await self._generate(message, resident.request, attempt)
+
         try:
-            return await asyncio.wait_for(
-                self._generate(message, resident.request, attempt), timeout=remaining_s
-            )
+            return await asyncio.wait_for(slotted(), timeout=message.deadline_at - time.time())
         except TimeoutError:
+            if not generating:
+                raise JobFailure(
+                    ErrorCode.DEADLINE_EXCEEDED,
+                    "The job reached its deadline while waiting for a GPU adapter slot; it "
+                    "never entered the engine.",
+                ) from None
             self._aborted()
             raise JobFailure(
                 ErrorCode.DEADLINE_EXCEEDED,
                 "The job reached its deadline while generating; the generation was aborted.",
             ) from None
+        except asyncio.CancelledError:
+            if generating:
+                self._aborted()
+            raise
 
     async def _generate(self, message: JobMessage, lora: LoRARequest, attempt: int) -> Generation:
         # Unique per attempt: a redelivered job must not collide with a stale engine request.

@@ -2,52 +2,95 @@
 
 from __future__ import annotations
 
-import threading
-import time
+import asyncio
+
+import pytest
 
 from worker.residency import SlotGate
 
 
 def test_distinct_adapters_in_flight_never_exceed_capacity() -> None:
     gate = SlotGate(capacity=2)
-    lock = threading.Lock()
     in_flight: dict[int, int] = {}
     most = 0
 
-    def job(adapter: int) -> None:
+    async def job(adapter: int) -> None:
         nonlocal most
-        with gate.slot(adapter):
-            with lock:
-                in_flight[adapter] = in_flight.get(adapter, 0) + 1
-                most = max(most, len(in_flight))
-            time.sleep(0.01)
-            with lock:
-                in_flight[adapter] -= 1
-                if not in_flight[adapter]:
-                    del in_flight[adapter]
+        async with gate.slot(adapter):
+            in_flight[adapter] = in_flight.get(adapter, 0) + 1
+            most = max(most, len(in_flight))
+            await asyncio.sleep(0.01)
+            in_flight[adapter] -= 1
+            if not in_flight[adapter]:
+                del in_flight[adapter]
 
-    threads = [threading.Thread(target=job, args=(i % 5,)) for i in range(40)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
+    async def main() -> None:
+        await asyncio.wait_for(asyncio.gather(*(job(i % 5) for i in range(40))), 30)
+
+    asyncio.run(main())
     assert most == 2
     assert in_flight == {}
 
 
 def test_jobs_for_an_adapter_already_in_flight_join_it() -> None:
-    gate = SlotGate(capacity=1)
-    other_done = threading.Event()
+    async def main() -> None:
+        gate = SlotGate(capacity=1)
+        other_done = asyncio.Event()
 
-    def other() -> None:
-        with gate.slot(8):
-            other_done.set()
+        async def other() -> None:
+            async with gate.slot(8):
+                other_done.set()
 
-    with gate.slot(7):
-        with gate.slot(7):  # the same adapter shares the slot at once
-            pass
-        waiter = threading.Thread(target=other)
-        waiter.start()
-        assert not other_done.wait(0.2)  # another adapter waits for the slot
-    assert other_done.wait(5)
-    waiter.join()
+        async with gate.slot(7):
+            async with gate.slot(7):  # the same adapter shares the slot at once
+                pass
+            waiter = asyncio.create_task(other())
+            await asyncio.sleep(0.2)
+            assert not other_done.is_set()  # another adapter waits for the slot
+        await asyncio.wait_for(other_done.wait(), 5)
+        await waiter
+
+    asyncio.run(main())
+
+
+def test_a_waiter_cancelled_leaves_the_others_waiting_and_takes_no_slot() -> None:
+    """A job whose deadline passes (or that is cancelled) while it waits for a slot gives
+    up without holding one, and the next waiter still gets in."""
+
+    async def main() -> None:
+        gate = SlotGate(capacity=1)
+        entered: list[int] = []
+
+        async def job(adapter: int) -> None:
+            async with gate.slot(adapter):
+                entered.append(adapter)
+
+        async with gate.slot(1):
+            doomed = asyncio.create_task(job(2))
+            patient = asyncio.create_task(job(3))
+            await asyncio.sleep(0.05)
+            doomed.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await doomed
+        await asyncio.wait_for(patient, 5)
+        assert entered == [3]
+
+    asyncio.run(main())
+
+
+def test_raising_the_capacity_lets_waiters_in() -> None:
+    async def main() -> None:
+        gate = SlotGate(capacity=1)
+        async with gate.slot(1):
+            waiter = asyncio.create_task(_enter(gate, 2))
+            await asyncio.sleep(0.05)
+            assert not waiter.done()
+            gate.set_capacity(2)
+            await asyncio.wait_for(waiter, 5)
+
+    asyncio.run(main())
+
+
+async def _enter(gate: SlotGate, adapter: int) -> None:
+    async with gate.slot(adapter):
+        pass
