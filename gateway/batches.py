@@ -33,7 +33,7 @@ from contracts.tenants import TenantRecord
 from contracts.webhooks import WebhookTarget, batch_event_id
 from gateway import job_store
 from gateway.config import GatewaySettings
-from gateway.errors import ADMISSION_TIMED_OUT, ApiError, unavailable
+from gateway.errors import ApiError, problem
 from gateway.openai_schemas import DEFAULT_MAX_TOKENS, ChatCompletionCreate, CompletionCreate
 from gateway.queue import enqueue_many
 from gateway.registry import Resolved
@@ -110,9 +110,8 @@ class Parsed:
 
 
 def _first_problem(exc: ValidationError) -> str:
-    item = exc.errors()[0]
-    field = ".".join(str(part) for part in item["loc"]) or "line"
-    return f"{field}: {item['msg']}"
+    field, message = problem(exc.errors()[0], empty="line")
+    return f"{field}: {message}"
 
 
 def parse_native(item: Any, number: int) -> Parsed | LineError:
@@ -220,20 +219,12 @@ class Batches:
                 f"The batch holds {len(lines)} requests; at most {settings.max_batch_requests} "
                 "are accepted. Nothing was enqueued; split it.",
             )
-        try:
-            async with asyncio.timeout(settings.redis_timeout_s + 0.01 * len(lines)):
-                if webhook is not None:
-                    await check_target(webhook, settings)
-                return await self._create(
-                    tenant, lines, endpoint, webhook, deadline_s, metadata, input_file_id
-                )
-        except ApiError as refused:
-            self._submitter.metrics.refused.labels(refused.code.value).inc()
-            raise
-        except (RedisError, OSError, TimeoutError) as exc:
-            error = unavailable(ADMISSION_TIMED_OUT, exc)
-            self._submitter.metrics.refused.labels(error.code.value).inc()
-            raise error from exc
+        async with self._submitter.bounded(settings.redis_timeout_s + 0.01 * len(lines)):
+            if webhook is not None:
+                await check_target(webhook, settings)
+            return await self._create(
+                tenant, lines, endpoint, webhook, deadline_s, metadata, input_file_id
+            )
 
     async def _create(
         self,

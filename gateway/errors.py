@@ -7,12 +7,13 @@ usual exception types and our own clients branch on ``code``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from contracts.errors import ErrorBody, ErrorCode
 
@@ -109,12 +110,27 @@ async def _api_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status_code, body, exc.headers, exc.param)
 
 
+def problem(item: Mapping[str, Any], empty: str = "body") -> tuple[str, str]:
+    """A pydantic error as (dotted field, message); ``empty`` names a location-less one."""
+    field = ".".join(str(part) for part in item.get("loc", ())) or empty
+    return field, str(item.get("msg", "invalid"))
+
+
+def invalid(exc: ValidationError) -> ApiError:
+    """422 ``validation_error`` naming the first problem, as the request handler words it."""
+    field, message = problem(exc.errors()[0])
+    return ApiError(
+        422, ErrorCode.VALIDATION_ERROR, f"Invalid request: {field}: {message}", param=field
+    )
+
+
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     details: list[dict[str, object]] = []
     for item in exc.errors():
-        location = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
-        details.append({"field": location or "body", "message": item.get("msg", "invalid")})
+        inside = {**item, "loc": [part for part in item.get("loc", ()) if part != "body"]}
+        field, message = problem(inside)
+        details.append({"field": field, "message": message})
     first = details[0] if details else {"field": "body", "message": "invalid request"}
     message = f"Invalid request: {first['field']}: {first['message']}"
     if len(details) > 1:

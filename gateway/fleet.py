@@ -21,10 +21,10 @@ import time
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
-from contracts.keys import WORKERS_INDEX, tier_ledger_key, worker_key
+from contracts.keys import WORKERS_INDEX, worker_key
 from contracts.queues import Tier, queue_for
 from gateway.config import GatewaySettings
-from gateway.metrics import oldest_accepted_at
+from gateway.tier_state import tier_states
 
 MIN_REPLICAS = {Tier.HOT: 1, Tier.WARM: 0, Tier.COLD: 0}
 
@@ -57,17 +57,11 @@ class Fleet(BaseModel):
 
 async def fleet(redis: Redis, settings: GatewaySettings) -> Fleet:
     now = time.time()
+    states = await tier_states(redis, now)
     ids = sorted(str(i) for i in await redis.smembers(WORKERS_INDEX))
-    async with redis.pipeline(transaction=False) as pipe:
-        for worker_id in ids:
-            pipe.get(worker_key(worker_id))
-        for tier in Tier:
-            pipe.llen(queue_for(tier))
-            pipe.zcount(tier_ledger_key(tier.value), now, "+inf")
-            pipe.lindex(queue_for(tier), -1)
-        replies = await pipe.execute()
+    announcements = await redis.mget([worker_key(worker_id) for worker_id in ids]) if ids else []
     workers = []
-    for raw in replies[: len(ids)]:
+    for raw in announcements:
         if raw is None:
             continue  # its announcement expired: not alive
         record = json.loads(raw)
@@ -84,20 +78,17 @@ async def fleet(redis: Redis, settings: GatewaySettings) -> Fleet:
             )
         )
     tiers = []
-    for index, tier in enumerate(Tier):
-        depth, unfinished, oldest = replies[len(ids) + index * 3 : len(ids) + index * 3 + 3]
-        accepted = oldest_accepted_at(oldest) if oldest is not None else None
-        age = max(0.0, now - accepted) if accepted else 0.0
+    for tier, state in states.items():
         serving = [w for w in workers if queue_for(tier) in w.queues]
-        by_load = math.ceil(int(unfinished) / settings.fleet_target_jobs_per_worker)
-        by_age = len(serving) + 1 if age > settings.fleet_max_queue_age_s else 0
+        by_load = math.ceil(state.admitted_unfinished / settings.fleet_target_jobs_per_worker)
+        by_age = len(serving) + 1 if state.oldest_waiting_s > settings.fleet_max_queue_age_s else 0
         tiers.append(
             TierView(
                 tier=tier,
                 queue=queue_for(tier),
-                queue_depth=int(depth),
-                admitted_unfinished=int(unfinished),
-                oldest_waiting_s=round(age, 3),
+                queue_depth=state.queue_depth,
+                admitted_unfinished=state.admitted_unfinished,
+                oldest_waiting_s=round(state.oldest_waiting_s, 3),
                 workers=serving,
                 free_slots=sum(w.free_slots for w in serving),
                 recommended_replicas=max(MIN_REPLICAS[tier], by_load, by_age),

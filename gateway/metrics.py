@@ -4,8 +4,6 @@ its oldest waiting job. Each app has its own registry (several apps may share a 
 
 from __future__ import annotations
 
-import base64
-import json
 import threading
 import time
 
@@ -13,18 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from redis.asyncio import Redis
 
 from contracts import metrics as names
-from contracts.keys import tier_ledger_key
-from contracts.queues import Tier, queue_for
-
-
-def oldest_accepted_at(raw: str) -> float | None:
-    """When the job in a kombu message (Celery protocol 2) was admitted."""
-    try:
-        envelope = json.loads(raw)
-        args, _kwargs, _embed = json.loads(base64.b64decode(envelope["body"]))
-        return float(args[0]["accepted_at"])
-    except (ValueError, KeyError, IndexError, TypeError):
-        return None
+from contracts.queues import Tier
+from gateway.tier_state import tier_states
 
 
 class GatewayMetrics:
@@ -73,17 +61,8 @@ class GatewayMetrics:
         self.finished.labels(tier.value, "cancelled", "cancelled").inc()
 
     async def render(self, redis: Redis) -> bytes:
-        now = time.time()
-        async with redis.pipeline(transaction=False) as pipe:
-            for tier in Tier:
-                pipe.llen(queue_for(tier))
-                pipe.zcount(tier_ledger_key(tier.value), now, "+inf")
-                pipe.lindex(queue_for(tier), -1)
-            replies = await pipe.execute()
-        for index, tier in enumerate(Tier):
-            depth, unfinished, oldest = replies[index * 3 : index * 3 + 3]
-            self.queue_depth.labels(tier.value).set(depth)
-            self.unfinished.labels(tier.value).set(unfinished)
-            accepted = oldest_accepted_at(oldest) if oldest is not None else None
-            self.oldest_age.labels(tier.value).set(max(0.0, now - accepted) if accepted else 0.0)
+        for tier, state in (await tier_states(redis, time.time())).items():
+            self.queue_depth.labels(tier.value).set(state.queue_depth)
+            self.unfinished.labels(tier.value).set(state.admitted_unfinished)
+            self.oldest_age.labels(tier.value).set(state.oldest_waiting_s)
         return generate_latest(self.registry)

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -102,16 +103,8 @@ class Submitter:
 
         Redis and the broker get ``redis_timeout_s`` in all: past it the answer is 503.
         """
-        try:
-            async with asyncio.timeout(self._settings.redis_timeout_s):
-                admitted, reserved = await self._submit(tenant, request, idempotency)
-        except ApiError as refused:
-            self.metrics.refused.labels(refused.code.value).inc()
-            raise
-        except (RedisError, OSError, TimeoutError) as exc:
-            error = unavailable(ADMISSION_TIMED_OUT, exc)
-            self.metrics.refused.labels(error.code.value).inc()
-            raise error from exc
+        async with self.bounded(self._settings.redis_timeout_s):
+            admitted, reserved = await self._submit(tenant, request, idempotency)
         if not admitted.replayed:
             self.metrics.admitted_job(admitted.job.tier, admitted.job.adapter)
         if reserved is not None and idempotency is not None:
@@ -123,6 +116,21 @@ class Submitter:
             except (RedisError, OSError, TimeoutError) as exc:
                 log.warning("idempotency key of job %s not marked done: %s", admitted.job.id, exc)
         return admitted
+
+    @contextlib.asynccontextmanager
+    async def bounded(self, timeout_s: float) -> AsyncIterator[None]:
+        """Admission work within ``timeout_s``: a refusal (``ApiError``) is counted and
+        raised; Redis or the broker failing, or the time running out, is a counted 503."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                yield
+        except ApiError as refused:
+            self.metrics.refused.labels(refused.code.value).inc()
+            raise
+        except (RedisError, OSError, TimeoutError) as exc:
+            error = unavailable(ADMISSION_TIMED_OUT, exc)
+            self.metrics.refused.labels(error.code.value).inc()
+            raise error from exc
 
     async def _submit(
         self, tenant: TenantRecord, request: Submission, idempotency: Idempotency | None

@@ -25,7 +25,7 @@ from gateway.batches import (
     refused,
 )
 from gateway.deps import BatchesDep, FilesDep
-from gateway.errors import ADMISSION, AUTHENTICATED, ApiError, responses, unavailable
+from gateway.errors import ADMISSION, AUTHENTICATED, ApiError, invalid, responses, unavailable
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
@@ -53,12 +53,6 @@ _BODY = {
 
 def _not_found(batch_id: str) -> ApiError:
     return ApiError(404, ErrorCode.BATCH_NOT_FOUND, f"No batch with id {batch_id!r} exists.")
-
-
-def _invalid(exc: ValidationError) -> ApiError:
-    item = exc.errors()[0]
-    field = ".".join(str(part) for part in item["loc"]) or "body"
-    return ApiError(422, ErrorCode.VALIDATION_ERROR, f"Invalid request: {field}: {item['msg']}")
 
 
 @router.post(
@@ -108,7 +102,7 @@ async def create_batch(
             try:
                 spec = OpenAIBatchCreate.model_validate(payload)
             except ValidationError as exc:
-                raise _invalid(exc) from exc
+                raise invalid(exc) from exc
             content = await files.content_of_upload(tenant, spec.input_file_id)
             items = jsonl(content)
             if isinstance(items, LineError):
@@ -125,7 +119,7 @@ async def create_batch(
             try:
                 create = BatchCreate.model_validate(payload)
             except ValidationError as exc:
-                raise _invalid(exc) from exc
+                raise invalid(exc) from exc
             lines = [parse_native(item, n) for n, item in enumerate(create.requests, 1)]
             batch = await batches.create(
                 tenant, lines, "/v1/jobs", create.webhook, create.deadline_s, create.metadata

@@ -30,6 +30,7 @@ from gateway.errors import (
     ErrorEnvelope,
     ErrorEnvelopeBody,
     error_type,
+    invalid,
     responses,
     unavailable,
 )
@@ -156,14 +157,7 @@ def _sampling(body: OpenAIRequest) -> Sampling:
     try:
         return body.sampling(DEFAULT_MAX_TOKENS)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or "body"
-        raise ApiError(
-            422,
-            ErrorCode.VALIDATION_ERROR,
-            f"Invalid request: {field}: {first['msg']}",
-            param=field,
-        ) from exc
+        raise invalid(exc) from exc
 
 
 @dataclass(frozen=True)
