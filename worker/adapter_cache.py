@@ -173,7 +173,8 @@ class AdapterCache:
                 self._holds[digest] -= 1
                 if self._holds[digest] == 0:
                     del self._holds[digest]
-                self._cond.notify_all()
+                    # Only an entry nobody holds can be evicted to make room: wake waiters then.
+                    self._cond.notify_all()
 
     def _touch(self, digest: str) -> bool:
         with self._cond:
