@@ -5,8 +5,9 @@ adapters, prompts of mixed length, 64 new tokens each (ignore_eos), as each kind
 sends them: OpenAI-style (a request per job, answered when done), the jobs API (submit, then
 long-poll), the batch API (one request), and a batch queued while the worker was paused
 (the worker alone, clock from its first job). Offline: the same prompts and adapters in one
-``LLM.generate`` call with the same engine settings. Each path runs ``--repeats`` times; the
-table compares best with best and median with median (this box is shared and noisy). Then
+``LLM.generate`` call with the same engine settings, in this process beside the stack. Each
+repeat runs every path, offline last, so a box that speeds up or slows down moves all of
+them; the table compares best with best and median with median. Then
 the added latency of the queue path: p50 of 50 sequential single jobs, pipeline minus direct
 engine. Every run prints where the CPU went (gateway, worker, engine core, client): on this
 2-core box the gateway, Redis, the client and the worker's Python share the core the engine
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -41,7 +43,6 @@ from lorafleet.client import auth_headers
 from lorafleet.fixtures import write_fixtures
 from lorafleet.settings import LocalSettings
 from lorafleet.stack import CPU_ENGINE_DEFAULTS, LocalStack
-from worker.engine import colocate_children
 
 WORDS = [
     "extract",
@@ -74,9 +75,10 @@ def prompts(count: int, seed: int = 3) -> list[str]:
     return [" ".join(rng.choices(WORDS, k=rng.randint(3, 40))) for _ in range(count)]
 
 
-def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+def cpu_seconds(pids: dict[str, int], offline: set[int]) -> dict[str, float]:
     """CPU seconds used so far by each named process and, as ``<name>+children``, by its
-    descendants (the worker's are the engine core)."""
+    descendants (the worker's are its engine), and by the offline engine's processes (which
+    should stay idle while the pipeline runs, and the pipeline's engine while offline runs)."""
     used = {}
     for name, pid in pids.items():
         root = psutil.Process(pid)
@@ -86,11 +88,14 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
             continue
         used[f"{name}+children"] = 0.0
         for proc in root.children(recursive=True):
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 times = proc.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            used[f"{name}+children"] += times.user + times.system
+                used[f"{name}+children"] += times.user + times.system
+    used["offline engine"] = 0.0
+    for pid in offline:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = psutil.Process(pid).cpu_times()
+            used["offline engine"] += times.user + times.system
     return used
 
 
@@ -188,14 +193,18 @@ class Clock:
 
 
 async def _measure(
-    label: str, go: Callable[[Clock], Awaitable[int]], pids: dict[str, int], console: Console
+    label: str,
+    go: Callable[[Clock], Awaitable[int]],
+    pids: dict[str, int],
+    offline: set[int],
+    console: Console,
 ) -> Run:
     Load.retried = 0
-    cpu_before = cpu_seconds(pids)
+    cpu_before = cpu_seconds(pids, offline)
     clock = Clock()
     tokens = await go(clock)
     elapsed = time.perf_counter() - clock.start
-    cpu_after = cpu_seconds(pids)
+    cpu_after = cpu_seconds(pids, offline)
     cpu = ", ".join(
         f"{name} {cpu_after[name] - cpu_before[name]:.1f}"
         for name in cpu_after
@@ -218,10 +227,13 @@ async def pipeline(
     stack: LocalStack,
     work: list[tuple[str, str]],
     sequential: list[tuple[str, str]],
+    offline: Offline,
     console: Console,
     repeats: int,
 ) -> tuple[dict[str, list[Run]], list[float]]:
-    """Every run of each path, and the latencies of sequential single jobs."""
+    """Every run of each path, offline's included (interleaved: each repeat runs every
+    pipeline path, then offline, so a box that speeds up or slows down meanwhile moves both),
+    and the latencies of sequential single jobs."""
     pids = {child.name: child.pid for child in stack.children if child.name != "s3"}
     pids["client"] = os.getpid()
     control = Celery(broker=stack.redis_url).control
@@ -243,9 +255,14 @@ async def pipeline(
         async def batch(_: Clock) -> int:
             return await load.batch_tokens(await load.create_batch(work))
 
-        runs: dict[str, list[Run]] = {path: [] for path in PATHS}
+        async def direct(_: Clock) -> int:
+            return offline.run(work)
+
+        runs: dict[str, list[Run]] = {path: [] for path in (*PATHS, OFFLINE)}
         for rep in range(repeats):
-            for path, go in zip(PATHS, (completions, jobs, batch, None), strict=True):
+            for path, go in zip(
+                (*PATHS, OFFLINE), (completions, jobs, batch, None, direct), strict=True
+            ):
                 if go is None:
                     # limit=1: return at the (single) worker's reply, not the timeout.
                     assert control.cancel_consumer(QUEUE, reply=True, timeout=10, limit=1)
@@ -264,7 +281,8 @@ async def pipeline(
                         return await load.batch_tokens(batch_id)
 
                     go = resumed
-                run = await _measure(f"{path} {rep + 1}/{repeats}", go, pids, console)
+                label = f"{path} {rep + 1}/{repeats}"
+                run = await _measure(label, go, pids, offline.pids, console)
                 runs[path].append(run)
         console.print(f"pipeline: {len(sequential)} sequential jobs")
         latencies = []
@@ -275,67 +293,62 @@ async def pipeline(
     return runs, latencies
 
 
-def offline(
-    model: Path,
-    adapters: dict[str, Path],
-    work: list[tuple[str, str]],
-    sequential: list[tuple[str, str]],
-    console: Console,
-    repeats: int,
-) -> dict[str, tuple[list[Run], list[float]]]:
-    """Best run and single-job latencies of the engine alone, with vLLM's own CPU placement
-    and then with the worker's (engine core colocated with the model worker); the pipeline is
-    compared with the faster of the two."""
-    from vllm import LLM, SamplingParams
-    from vllm.lora.request import LoRARequest
+OFFLINE = "offline LLM.generate"
 
-    llm = LLM(
-        model=str(model),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=256,
-        gpu_memory_utilization=0.3,
-        enable_lora=True,
-        **ENGINE,
-    )
-    requests = {
-        alias: LoRARequest(alias, index + 1, str(path))
-        for index, (alias, path) in enumerate(sorted(adapters.items()))
-    }
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    llm.generate(
-        ["warm up"] * len(requests),
-        SamplingParams(max_tokens=2),
-        lora_request=list(requests.values()),
-        use_tqdm=False,
-    )
-    results = {}
-    for placement in ("vLLM default", "colocated"):
-        if placement == "colocated":
-            cores = colocate_children(psutil.Process())
-            console.print(f"offline: engine processes now bound to cores {cores}")
-        runs = []
-        for rep in range(repeats):
-            start = time.perf_counter()
-            outputs = llm.generate(
-                [p for _, p in work],
-                params,
-                lora_request=[requests[a] for a, _ in work],
-                use_tqdm=False,
-            )
-            elapsed = time.perf_counter() - start
-            runs.append((elapsed, sum(len(out.outputs[0].token_ids) for out in outputs)))
-            console.print(
-                f"offline ({placement}) {rep + 1}/{repeats}: {len(work)} prompts in {elapsed:.2f} s"
-            )
+
+class Offline:
+    """vLLM's offline ``LLM`` on the same model, adapters and engine settings, in this process
+    beside the running stack (its engine waits idle while the pipeline runs: the runs print
+    its CPU)."""
+
+    def __init__(self, model: Path, adapters: dict[str, Path]) -> None:
+        from vllm import LLM, SamplingParams
+        from vllm.lora.request import LoRARequest
+
+        before = {proc.pid for proc in psutil.Process().children(recursive=True)}
+        self._llm = LLM(
+            model=str(model),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=256,
+            gpu_memory_utilization=0.3,
+            enable_lora=True,
+            **ENGINE,
+        )
+        self.pids = {proc.pid for proc in psutil.Process().children(recursive=True)} - before
+        self._requests = {
+            alias: LoRARequest(alias, index + 1, str(path))
+            for index, (alias, path) in enumerate(sorted(adapters.items()))
+        }
+        self._params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        self._short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        self._llm.generate(
+            ["warm up"] * len(self._requests),
+            SamplingParams(max_tokens=2),
+            lora_request=list(self._requests.values()),
+            use_tqdm=False,
+        )
+
+    def run(self, work: list[tuple[str, str]]) -> int:
+        """One ``generate`` call for all of ``work``; its generated tokens."""
+        outputs = self._llm.generate(
+            [p for _, p in work],
+            self._params,
+            lora_request=[self._requests[a] for a, _ in work],
+            use_tqdm=False,
+        )
+        return sum(len(out.outputs[0].token_ids) for out in outputs)
+
+    def latencies(self, sequential: list[tuple[str, str]]) -> list[float]:
+        """Milliseconds of each single 8-token job, one after the other."""
         latencies = []
         for alias, prompt in sequential:
             begin = time.perf_counter()
-            llm.generate([prompt], short, lora_request=requests[alias], use_tqdm=False)
+            self._llm.generate(
+                [prompt], self._short, lora_request=self._requests[alias], use_tqdm=False
+            )
             latencies.append((time.perf_counter() - begin) * 1000)
-        results[placement] = (runs, latencies)
-    return results
+        return latencies
 
 
 def main() -> None:
@@ -366,13 +379,14 @@ def main() -> None:
                 publisher.publish(path, name, Tier.COLD)
             console.print("starting gateway and worker")
             stack.start_services({f"LORAFLEET_{k.upper()}": str(v) for k, v in ENGINE.items()})
-            piped, piped_latencies = asyncio.run(
-                pipeline(stack, work, sequential, console, args.repeats)
+            console.print("starting the offline engine beside them")
+            for key, value in CPU_ENGINE_DEFAULTS.items():
+                os.environ.setdefault(key, value)
+            offline = Offline(model, adapters)
+            runs, piped_latencies = asyncio.run(
+                pipeline(stack, work, sequential, offline, console, args.repeats)
             )
-
-        for key, value in CPU_ENGINE_DEFAULTS.items():
-            os.environ.setdefault(key, value)
-        direct = offline(model, adapters, work, sequential, console, args.repeats)
+            direct_latencies = offline.latencies(sequential)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -384,17 +398,11 @@ def main() -> None:
 
     # The pipeline's best against offline's best, and median against median: on a shared
     # box the two disagree, and both are worth seeing.
-    best = max(direct, key=lambda placement: max(map(rate, direct[placement][0])))
-    offline_best = max(map(rate, direct[best][0]))
-    offline_median = median_rate(direct[best][0])
-    direct_latencies = direct[best][1]
-    rows = {
-        **{f"pipeline: {name}": runs for name, runs in piped.items()},
-        **{f"offline LLM.generate, {name}": runs for name, (runs, _) in direct.items()},
-    }
+    offline_best = max(map(rate, runs[OFFLINE]))
+    offline_median = median_rate(runs[OFFLINE])
     table = Table(
         title=f"{args.jobs} jobs x {NEW_TOKENS} tokens over {args.adapters} adapters, "
-        f"{args.repeats} runs each; ratios vs offline ({best})"
+        f"{args.repeats} interleaved runs each; ratios vs {OFFLINE}"
     )
     for column in (
         "path",
@@ -405,22 +413,22 @@ def main() -> None:
         "median vs median",
     ):
         table.add_column(column, justify="left" if column == "path" else "right")
-    for name, runs in rows.items():
-        fastest = max(runs, key=rate)
+    for name, path_runs in runs.items():
+        fastest = max(path_runs, key=rate)
         table.add_row(
-            name,
+            name if name == OFFLINE else f"pipeline: {name}",
             f"{fastest[0]:.2f}",
             f"{rate(fastest):,.0f}",
             f"{rate(fastest) / offline_best:.2f}x",
-            f"{median_rate(runs):,.0f}",
-            f"{median_rate(runs) / offline_median:.2f}x",
+            f"{median_rate(path_runs):,.0f}",
+            f"{median_rate(path_runs) / offline_median:.2f}x",
         )
     console.print(table)
     piped_p50 = statistics.median(piped_latencies)
     direct_p50 = statistics.median(direct_latencies)
     console.print(
         f"single job, 8 tokens, p50 of {len(piped_latencies)}: pipeline {piped_p50:.1f} ms, "
-        f"direct engine ({best}) {direct_p50:.1f} ms; added by the queue path: "
+        f"direct engine {direct_p50:.1f} ms; added by the queue path: "
         f"{piped_p50 - direct_p50:.1f} ms"
     )
     console.print("target: pipeline >= 0.7x offline")
