@@ -210,8 +210,9 @@ async def _measure(
         for name in cpu_after
         if cpu_after[name] - cpu_before[name] >= 0.05
     )
-    retried, Load.retried = Load.retried, 0
-    console.print(f"{label}: {tokens} tokens in {elapsed:.2f} s, {retried} retried; CPU s: {cpu}")
+    console.print(
+        f"{label}: {tokens} tokens in {elapsed:.2f} s, {Load.retried} retried; CPU s: {cpu}"
+    )
     return elapsed, tokens
 
 

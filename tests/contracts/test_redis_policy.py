@@ -14,6 +14,7 @@ from redis import ConnectionPool, Redis
 from redis.exceptions import ConnectionError
 
 from contracts.redis_policy import async_client, sync_client
+from lorafleet.stack import LocalStack
 
 COMMANDS = 40
 LIMIT = 3
@@ -28,12 +29,11 @@ def _clients_named(redis: Redis, name: str) -> int:
     return sum(1 for c in redis.client_list() if c.get("name") == name)
 
 
-def test_sync_client_queues_commands_beyond_its_connections(redis: Redis) -> None:
+def test_sync_client_queues_commands_beyond_its_connections(
+    infra: LocalStack, redis: Redis
+) -> None:
     name = f"policy-{uuid.uuid4().hex[:8]}"
-    url = redis.connection_pool.connection_kwargs
-    client = sync_client(
-        f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}", LIMIT, client_name=name
-    )
+    client = sync_client(infra.redis_url, LIMIT, client_name=name)
     key = f"lorafleet:test:{name}"
     with ThreadPoolExecutor(COMMANDS) as pool:
         results = list(pool.map(lambda _: _slow(client, key), range(COMMANDS)))
@@ -42,11 +42,9 @@ def test_sync_client_queues_commands_beyond_its_connections(redis: Redis) -> Non
     client.close()
 
 
-def test_redis_py_default_pool_fails_the_same_burst(redis: Redis) -> None:
+def test_redis_py_default_pool_fails_the_same_burst(infra: LocalStack) -> None:
     """The failure ``sync_client`` exists for, so the test above can tell the difference."""
-    url = redis.connection_pool.connection_kwargs
-    pool = ConnectionPool(host=url["host"], port=url["port"], max_connections=LIMIT)
-    client = Redis.from_pool(pool)
+    client = Redis.from_pool(ConnectionPool.from_url(infra.redis_url, max_connections=LIMIT))
     with ThreadPoolExecutor(COMMANDS) as executor:
         futures = [executor.submit(_slow, client, "lorafleet:test:none") for _ in range(COMMANDS)]
         errors = [f.exception() for f in futures]
@@ -54,11 +52,9 @@ def test_redis_py_default_pool_fails_the_same_burst(redis: Redis) -> None:
     client.close()
 
 
-def test_async_client_queues_commands_beyond_its_connections(redis: Redis) -> None:
-    url = redis.connection_pool.connection_kwargs
-
+def test_async_client_queues_commands_beyond_its_connections(infra: LocalStack) -> None:
     async def burst() -> list[object]:
-        client = async_client(f"redis://{url['host']}:{url['port']}/0", LIMIT, pool_timeout_s=5.0)
+        client = async_client(infra.redis_url, LIMIT, pool_timeout_s=5.0)
         try:
             key = f"lorafleet:test:{uuid.uuid4().hex}"
             return list(
