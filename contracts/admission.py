@@ -20,6 +20,7 @@ from contracts.batches import BatchLine, BatchRecord
 from contracts.errors import ErrorCode
 from contracts.jobs import JobPublic
 from contracts.keys import (
+    DEADLINES,
     batch_jobs_key,
     batch_key,
     job_key,
@@ -60,6 +61,7 @@ local wait = take_token(KEYS[3], tonumber(ARGV[5]), tonumber(ARGV[6]), now)
 if wait then return {'rate', tostring(wait)} end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[5], ARGV[10], ARGV[1])
 redis.call('HSET', KEYS[4], 'status', ARGV[7], 'record', ARGV[8], 'attempts', 0)
 redis.call('EXPIRE', KEYS[4], ARGV[9])
 return {'admitted', '0'}
@@ -70,6 +72,7 @@ WITHDRAW = """
 redis.call('DEL', KEYS[4])
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[5], ARGV[1])
 if removed == 1 and redis.call('EXISTS', KEYS[3]) == 1 then
   local tokens = tonumber(redis.call('HGET', KEYS[3], 'tokens')) or 0
   redis.call('HSET', KEYS[3], 'tokens', tostring(math.min(tonumber(ARGV[2]), tokens + 1)))
@@ -115,8 +118,9 @@ def ledger_keys(job: JobPublic) -> list[str]:
 def admit_call(
     job: JobPublic, expires_at: float, limits: Limits, ttl_s: int
 ) -> tuple[list[str], list[str | int | float]]:
-    """``(keys, args)`` of ``ADMIT`` for a new ``job`` (its record is written if admitted)."""
-    keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id)]
+    """``(keys, args)`` of ``ADMIT`` for a new ``job`` (its record is written if admitted);
+    ``expires_at`` is its deadline + ``LEDGER_GRACE_S``."""
+    keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id), DEADLINES]
     args: list[str | int | float] = [
         job.id,
         repr(expires_at),
@@ -127,12 +131,13 @@ def admit_call(
         job.status.value,
         job.model_dump_json(),
         ttl_s,
+        repr(expires_at - LEDGER_GRACE_S),  # the deadline, for the sweeper's index
     ]
     return keys, args
 
 
 def withdraw_call(job: JobPublic, burst: int) -> tuple[list[str], list[str | int | float]]:
-    keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id)]
+    keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id), DEADLINES]
     return keys, [job.id, burst]
 
 
@@ -147,15 +152,16 @@ ADMIT_BATCH = (
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 -- KEYS: 1 tenant ledger, 2 rate bucket, 3 batch hash, 4 batch lines, 5.. tier ledgers (hot,
--- warm, cold), 8.. one job key per job. ARGV: 1 tenant max, 2 rate, 3 burst, 4..6 tier
--- maxima, 7 expiry, 8 ttl, 9 batch record, 10 batch webhook url, 11 tenant, 12 total, then per
--- job: id, tier index (0..2), record, line.
+-- warm, cold), 8 deadline index, 9.. one job key per job. ARGV: 1 tenant max, 2 rate,
+-- 3 burst, 4..6 tier maxima, 7 expiry, 8 ttl, 9 batch record, 10 batch webhook url,
+-- 11 tenant, 12 total, 13 deadline (expiry - grace), then per job: id, tier index (0..2),
+-- record, line.
 local tiers = {KEYS[5], KEYS[6], KEYS[7]}
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local wanted = {0, 0, 0}
 local total = tonumber(ARGV[12])
 for i = 0, total - 1 do
-  local tier = tonumber(ARGV[13 + i * 4 + 1]) + 1
+  local tier = tonumber(ARGV[14 + i * 4 + 1]) + 1
   wanted[tier] = wanted[tier] + 1
 end
 for tier = 1, 3 do
@@ -170,12 +176,13 @@ if redis.call('ZCARD', KEYS[1]) + total > tonumber(ARGV[1]) then return {'tenant
 local wait = take_token(KEYS[2], tonumber(ARGV[2]), tonumber(ARGV[3]), now)
 if wait then return {'rate', tostring(wait)} end
 for i = 0, total - 1 do
-  local base = 13 + i * 4
+  local base = 14 + i * 4
   local id, tier = ARGV[base], tonumber(ARGV[base + 1]) + 1
   redis.call('ZADD', tiers[tier], ARGV[7], id)
   redis.call('ZADD', KEYS[1], ARGV[7], id)
-  redis.call('HSET', KEYS[8 + i], 'status', 'queued', 'record', ARGV[base + 2], 'attempts', 0)
-  redis.call('EXPIRE', KEYS[8 + i], ARGV[8])
+  redis.call('ZADD', KEYS[8], ARGV[13], id)
+  redis.call('HSET', KEYS[9 + i], 'status', 'queued', 'record', ARGV[base + 2], 'attempts', 0)
+  redis.call('EXPIRE', KEYS[9 + i], ARGV[8])
   redis.call('RPUSH', KEYS[4], ARGV[base + 3])
 end
 redis.call('HSET', KEYS[3], 'record', ARGV[9], 'tenant', ARGV[11], 'total', total,
@@ -191,12 +198,13 @@ all; the batch takes one token of the rate bucket (it is one request)."""
 
 WITHDRAW_BATCH = """
 -- KEYS: 1 tenant ledger, 2 rate bucket, 3 batch hash, 4 batch lines, 5..7 tier ledgers,
--- 8.. job keys. ARGV: 1 burst, 2.. job ids.
+-- 8 deadline index, 9.. job keys. ARGV: 1 burst, 2.. job ids.
 if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
 for i = 2, #ARGV do
   redis.call('ZREM', KEYS[1], ARGV[i])
   for tier = 5, 7 do redis.call('ZREM', KEYS[tier], ARGV[i]) end
-  redis.call('DEL', KEYS[6 + i])
+  redis.call('ZREM', KEYS[8], ARGV[i])
+  redis.call('DEL', KEYS[7 + i])
 end
 redis.call('DEL', KEYS[3], KEYS[4])
 if redis.call('EXISTS', KEYS[2]) == 1 then
@@ -226,6 +234,7 @@ def _batch_keys(batch_id: str, tenant: str, jobs: list[JobPublic]) -> list[str]:
         batch_key(batch_id),
         batch_jobs_key(batch_id),
         *(tier_ledger_key(tier.value) for tier in TIER_ORDER),
+        DEADLINES,
         *(job_key(job.id) for job in jobs),
     ]
 
@@ -249,6 +258,7 @@ def admit_batch_call(
         batch.webhook.url if batch.webhook else "",
         batch.tenant,
         len(jobs),
+        repr(expires_at - LEDGER_GRACE_S),
     ]
     for job, line in zip(jobs, lines, strict=True):
         args += [job.id, TIER_ORDER.index(job.tier), job.model_dump_json(), line.model_dump_json()]

@@ -8,12 +8,21 @@ Every change goes through ``ADVANCE``, a compare-and-set that
 - never resurrects a record that expired or was never created;
 - optionally requires the ``attempts`` counter to still hold the value the writer read, so two
   writers racing on one job (a gateway cancelling it, a worker claiming it) can't both win;
+- drops the job's lease (``lease_key``) whenever the job stops running (queued again, or
+  terminal), so the next delivery may claim it;
 - when the job becomes terminal, and only then: removes it from the admission ledgers
-  (``contracts.admission``); creates its webhook event and schedules its first delivery
+  (``contracts.admission``) and from the deadline index; creates its webhook event and
+  schedules its first delivery
   attempt, if it has a webhook; counts it in its batch, and creates the batch's webhook event
   when it is the batch's last job; publishes its id on ``JOB_EVENTS`` (waiters wake), and on
   ``JOB_CANCELS`` when it becomes cancelled (the worker running it aborts it). So every
   effect of a job's outcome happens exactly once, however often the job is delivered.
+
+A worker starts an attempt with ``CLAIM`` (the same compare-and-set on ``attempts``, refused
+while another attempt holds the job's lease) and keeps its lease alive with ``RENEW``;
+streamed text is appended with ``APPEND_DELTAS``, refused to an attempt that no longer holds
+the lease. So two attempts of one job never generate at once, and a stale one can neither
+write an outcome (its ``attempts`` is not the counter's) nor interleave its text.
 """
 
 from __future__ import annotations
@@ -22,11 +31,14 @@ from enum import IntEnum
 
 from contracts.jobs import TERMINAL_STATUSES, JobPublic, JobStatus
 from contracts.keys import (
+    DEADLINES,
     JOB_CANCELS,
     JOB_EVENTS,
     WEBHOOKS_DUE,
     batch_key,
     job_key,
+    lease_key,
+    stream_key,
     tenant_ledger_key,
     tier_ledger_key,
     webhook_event_key,
@@ -62,9 +74,11 @@ end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'record', ARGV[2])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'attempts', ARGV[5]) end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
+if ARGV[1] ~= '{JobStatus.RUNNING.value}' then redis.call('DEL', KEYS[10]) end
 if terminal(ARGV[1]) then
   redis.call('ZREM', KEYS[4], ARGV[6])
   redis.call('ZREM', KEYS[5], ARGV[6])
+  redis.call('ZREM', KEYS[11], ARGV[6])
   local t = redis.call('TIME')
   local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
   if ARGV[7] ~= '' then
@@ -89,13 +103,80 @@ return 1
 )
 
 
+CLAIM = f"""
+local function terminal(s) return {_TERMINAL_LUA} end
+-- KEYS: 1 job, 2 lease. ARGV: 1 record, 2 expected attempts, 3 attempts, 4 lease value,
+-- 5 lease ttl (ms), 6 record ttl (s).
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return -1 end
+if terminal(status) then return 0 end
+if (redis.call('HGET', KEYS[1], 'attempts') or '0') ~= ARGV[2] then return -2 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return -3 end
+redis.call('HSET', KEYS[1], 'status', '{JobStatus.RUNNING.value}', 'record', ARGV[1],
+           'attempts', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[5])
+return 1
+"""
+"""Start an attempt: the record becomes ``running`` with ``attempts`` counted and the lease
+is taken, only if nobody wrote since the claimant read the record and no lease is held."""
+
+RENEW = f"""
+-- KEYS: per attempt, its lease and its job record. ARGV: 1 lease ttl (ms), then per attempt
+-- its lease value and its attempt number. Returns the 1-based positions of lost attempts.
+local lost = {{}}
+for i = 1, #KEYS / 2 do
+  local lease, job = KEYS[2 * i - 1], KEYS[2 * i]
+  local value, attempt = ARGV[2 * i], ARGV[2 * i + 1]
+  local holder = redis.call('GET', lease)
+  if holder == value then
+    redis.call('PEXPIRE', lease, ARGV[1])
+  elseif not holder and redis.call('HGET', job, 'status') == '{JobStatus.RUNNING.value}'
+      and redis.call('HGET', job, 'attempts') == attempt then
+    -- Expired while Redis was away (or restarted): the record says this attempt still runs
+    -- the job and nobody claimed it since, so the lease is taken back.
+    redis.call('SET', lease, value, 'PX', ARGV[1])
+  else
+    table.insert(lost, i)
+  end
+end
+return lost
+"""
+"""Keep the leases of the attempts a worker runs; report those it no longer holds."""
+
+APPEND_DELTAS = """
+-- KEYS: per job, its stream and its lease. ARGV: 1 stream ttl (s), then per job the lease
+-- value and the text. Entries are tagged with the lease value: it names one execution.
+-- Returns the 1-based positions refused.
+local refused = {}
+for i = 1, #KEYS / 2 do
+  local stream, lease = KEYS[2 * i - 1], KEYS[2 * i]
+  local value, text = ARGV[2 * i], ARGV[2 * i + 1]
+  if redis.call('GET', lease) == value then
+    redis.call('XADD', stream, '*', 'attempt', value, 'text', text)
+    redis.call('EXPIRE', stream, ARGV[1])
+  else
+    table.insert(refused, i)
+  end
+end
+return refused
+"""
+"""Append streamed text for attempts that still hold their job's lease."""
+
+
 class Advance(IntEnum):
-    """What ``ADVANCE`` did."""
+    """What ``ADVANCE`` (or ``CLAIM``) did."""
 
     WRITTEN = 1
     ALREADY_FINISHED = 0
     MISSING = -1
     CONFLICT = -2
+    LEASED = -3  # CLAIM only: another attempt holds the lease
+
+
+def lease_value(worker_id: str, attempt: int) -> str:
+    """The lease of ``attempt`` run by ``worker_id``."""
+    return f"{worker_id}|{attempt}"
 
 
 def advance_call(
@@ -115,6 +196,8 @@ def advance_call(
         WEBHOOKS_DUE,
         batch_key(job.batch) if job.batch else NO_KEY,
         webhook_event_key(batch_event_id(job.batch)) if job.batch else NO_KEY,
+        lease_key(job.id),
+        DEADLINES,
     ]
     args: list[str | int] = [
         job.status.value,
@@ -129,4 +212,44 @@ def advance_call(
         job.batch or "",
         batch_event_id(job.batch) if job.batch else "",
     ]
+    return keys, args
+
+
+def claim_call(
+    job: JobPublic, expect_attempts: int, lease: str, lease_ttl_s: float, ttl_s: int
+) -> tuple[list[str], list[str | int]]:
+    """``(keys, args)`` of ``CLAIM`` writing ``job`` (``running``, its attempt counted)."""
+    keys = [job_key(job.id), lease_key(job.id)]
+    args: list[str | int] = [
+        job.model_dump_json(),
+        str(expect_attempts),
+        str(job.attempts),
+        lease,
+        max(1, round(lease_ttl_s * 1000)),
+        ttl_s,
+    ]
+    return keys, args
+
+
+def renew_call(
+    attempts: list[tuple[str, str, int]], lease_ttl_s: float
+) -> tuple[list[str], list[str | int]]:
+    """``(keys, args)`` of ``RENEW`` for ``(job id, lease value, attempt)`` triples."""
+    keys: list[str] = []
+    args: list[str | int] = [max(1, round(lease_ttl_s * 1000))]
+    for job_id, lease, attempt in attempts:
+        keys += [lease_key(job_id), job_key(job_id)]
+        args += [lease, str(attempt)]
+    return keys, args
+
+
+def append_call(
+    deltas: list[tuple[str, str, str]], stream_ttl_s: int
+) -> tuple[list[str], list[str | int]]:
+    """``(keys, args)`` of ``APPEND_DELTAS`` for ``(job id, lease value, text)`` triples."""
+    keys: list[str] = []
+    args: list[str | int] = [stream_ttl_s]
+    for job_id, lease, text in deltas:
+        keys += [stream_key(job_id), lease_key(job_id)]
+        args += [lease, text]
     return keys, args

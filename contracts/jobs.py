@@ -170,7 +170,14 @@ class JobPublic(BaseModel):
     attempts: int = Field(
         default=0, description="deliveries that started running it (more than one after a crash)"
     )
-    worker: str | None = Field(default=None, description="worker running or last running it")
+    engine_failures: int = Field(
+        default=0,
+        description="times the engine running it died while it was generating; it was handed "
+        "back to its queue each time, the attempt uncounted",
+    )
+    worker: str | None = Field(
+        default=None, description="worker (`host:pid:boot`) running or last running it"
+    )
     batch: str | None = Field(default=None, description="the batch it belongs to, if any")
     webhook: WebhookTarget | None = None
     webhook_delivery: WebhookStatus | None = Field(

@@ -40,19 +40,36 @@ JOB_CANCELS = f"{PREFIX}:job-cancels"
 """Pub/sub channel: a job id is published when a caller cancels it (workers abort it)."""
 
 
-def worker_key(hostname: str) -> str:
+def worker_key(worker_id: str) -> str:
     """JSON heartbeat a worker writes once its engine is ready, refreshed while it lives."""
-    return f"{PREFIX}:worker:{hostname}"
+    return f"{PREFIX}:worker:{worker_id}"
+
+
+def lease_key(job_id: str) -> str:
+    """String ``<worker id>|<attempt>``: the attempt that runs a job right now. Set by the
+    claim, refreshed by its worker while the attempt lives, gone once the job is queued again
+    or finished; a delivery of a job whose lease is held elsewhere waits instead of running it
+    a second time (``contracts.job_records.CLAIM``)."""
+    return f"{PREFIX}:lease:{job_id}"
+
+
+DEADLINES = f"{PREFIX}:deadlines"
+"""Sorted set ``job id -> deadline`` (unix seconds) of every admitted, unfinished job: the
+deadline sweeper's index (``worker.sweeper``)."""
+
+SWEEPER = f"{PREFIX}:sweeper"
+"""String: id of the process elected to sweep deadlines (expires unless its holder renews it)."""
 
 
 def held_key(worker_id: str) -> str:
-    """Hash ``task id -> broker delivery tag`` of the jobs a worker has received and not yet
-    finished; a dead worker's entries are handed back to their queues (``worker.reaper``)."""
+    """Hash ``broker delivery tag -> task id`` of the deliveries a worker has received and not
+    yet finished; a dead worker's entries are handed back to their queues (``worker.reaper``).
+    Keyed by delivery, not by job: two deliveries of one job are two entries."""
     return f"{PREFIX}:held:{worker_id}"
 
 
 WORKERS_INDEX = f"{PREFIX}:workers"
-"""Set of worker hostnames that have announced themselves."""
+"""Set of the ids (``host:pid:boot``) of workers that have announced themselves."""
 
 
 def tenant_key(name: str) -> str:

@@ -21,6 +21,9 @@ ADAPTER_LOAD = "lorafleet_adapter_load_seconds"
 ADAPTER_EVICTIONS = "lorafleet_adapter_evictions_total"
 ADAPTERS_RESIDENT = "lorafleet_adapters_resident"
 IDENTITY_CHECKS = "lorafleet_identity_checks_total"
+JOB_DELIVERIES = "lorafleet_job_deliveries_total"
+ENGINE_FAILURES = "lorafleet_engine_failures_total"
+DEADLINE_BEYOND_VISIBILITY = "lorafleet_deadline_beyond_visibility_total"
 
 OTHER = "other"
 """The ``adapter`` label of requests for aliases beyond the top K."""
@@ -42,5 +45,8 @@ ALL = frozenset(
         ADAPTER_EVICTIONS,
         ADAPTERS_RESIDENT,
         IDENTITY_CHECKS,
+        JOB_DELIVERIES,
+        ENGINE_FAILURES,
+        DEADLINE_BEYOND_VISIBILITY,
     }
 )

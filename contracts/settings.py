@@ -1,5 +1,7 @@
 """What every lorafleet service reads the same way: where Redis and the broker are, how many
-Redis connections it may open, and where errors go."""
+Redis connections it may open, where errors go, and the job limits both sides must agree on
+(the deadline the gateway stamps is the one the worker's delivery settings are checked
+against: one setting, not two copies that can drift)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,26 @@ class ServiceSettings(BaseSettings):
         default=None,
         validation_alias="SENTRY_DSN",
         description="Report unhandled errors to Sentry when set.",
+    )
+    job_ttl_s: int = Field(
+        default=7 * 24 * 3600, gt=0, description="How long job records and results are kept."
+    )
+    job_deadline_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Default and largest per-job deadline, from admission (the gateway stamps "
+        "it; the worker's visibility timeout must exceed it).",
+    )
+    sweep_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often the elected deadline sweeper looks for jobs past their deadline.",
+    )
+    sweep_grace_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="How long past its deadline an unfinished job is left to its worker before "
+        "the sweeper fails it `deadline_exceeded`.",
     )
 
     @property

@@ -73,3 +73,18 @@ async def operator(tenant: Annotated[TenantRecord, Depends(authenticate)]) -> Te
 
 TenantDep = Annotated[TenantRecord, Depends(authenticate)]
 OperatorDep = Annotated[TenantRecord, Depends(operator)]
+
+
+async def metrics_reader(
+    redis: RedisDep,
+    settings: SettingsDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    """``/metrics`` names adapters and shows the load of every tier: an operator key unless
+    ``LORAFLEET_METRICS_PUBLIC`` (a scrape from a private network only)."""
+    if settings.metrics_public:
+        return
+    await operator(await authenticate(redis, settings, credentials))
+
+
+MetricsReaderDep = Annotated[None, Depends(metrics_reader)]

@@ -8,8 +8,6 @@ line refuses the whole batch, with every bad line's number and reason; nothing i
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import json
 import time
@@ -22,7 +20,6 @@ from celery import Celery
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from contracts import admission
 from contracts.batches import BatchEndpoint, BatchLine, BatchPublic, BatchRecord, batch_public
@@ -37,7 +34,7 @@ from gateway.errors import ApiError, problem
 from gateway.openai_schemas import DEFAULT_MAX_TOKENS, ChatCompletionCreate, CompletionCreate
 from gateway.queue import enqueue_many
 from gateway.registry import Resolved
-from gateway.submit import Submission, Submitter, refusal_error
+from gateway.submit import Submission, Submitter, admit_then_enqueue, refusal_error
 from gateway.webhooks import check_target, delivery_status
 
 MAX_LINE_ERRORS = 100
@@ -301,12 +298,15 @@ class Batches:
             tier_max={tier: self._settings.tier_limit(tier) for tier in admission.TIER_ORDER},
         )
         expires_at = max(m.deadline_at for m in messages) + admission.LEDGER_GRACE_S
-        keys, args = admission.admit_batch_call(
-            record, jobs, lines, expires_at, limits, self._settings.job_ttl_s
-        )
-        reply = await self._redis.register_script(admission.ADMIT_BATCH)(keys=keys, args=args)
-        verdict, tier = admission.batch_verdict(reply)
-        if verdict.refusal is not None:
+
+        async def admit() -> None:
+            keys, args = admission.admit_batch_call(
+                record, jobs, lines, expires_at, limits, self._settings.job_ttl_s
+            )
+            reply = await self._redis.register_script(admission.ADMIT_BATCH)(keys=keys, args=args)
+            verdict, tier = admission.batch_verdict(reply)
+            if verdict.refusal is None:
+                return
             wanted = len(jobs) if tier is None else sum(job.tier == tier for job in jobs)
             raise refusal_error(
                 verdict,
@@ -321,15 +321,14 @@ class Batches:
                 self._settings.admission_retry_after_s,
                 what=f"a batch of {wanted} jobs",
             )
-        try:
-            await asyncio.shield(run_in_threadpool(enqueue_many, self._producer, messages))
-        except BaseException:
+
+        async def withdraw() -> None:
             keys, args = admission.withdraw_batch_call(record, jobs, limits.burst)
-            with contextlib.suppress(RedisError, OSError):
-                await asyncio.shield(
-                    self._redis.register_script(admission.WITHDRAW_BATCH)(keys=keys, args=args)
-                )
-            raise
+            await self._redis.register_script(admission.WITHDRAW_BATCH)(keys=keys, args=args)
+
+        await admit_then_enqueue(
+            admit, lambda: run_in_threadpool(enqueue_many, self._producer, messages), withdraw
+        )
 
     async def get(self, tenant: TenantRecord, batch_id: str) -> BatchPublic | None:
         fields: dict[str, str] = await self._redis.hgetall(batch_key(batch_id))  # type: ignore[assignment]

@@ -19,12 +19,6 @@ class GatewaySettings(ServiceSettings):
         description="Bound on the Redis and queue work of one request: past it the answer is "
         "503 with `Retry-After`, and nothing is left admitted.",
     )
-    job_ttl_s: int = Field(
-        default=7 * 24 * 3600, gt=0, description="How long job records and results are kept."
-    )
-    job_deadline_s: float = Field(
-        default=600.0, gt=0, description="Default and largest per-job deadline, from admission."
-    )
     max_body_bytes: int = Field(
         default=1024 * 1024, ge=1024, description="Largest request body; larger is 413."
     )
@@ -77,6 +71,11 @@ class GatewaySettings(ServiceSettings):
     )
     fleet_max_queue_age_s: float = Field(
         default=30.0, gt=0, description="Oldest waiting job age that asks for one more worker."
+    )
+    metrics_public: bool = Field(
+        default=False,
+        description="Serve `/metrics` without a key (only where the gateway port is private); "
+        "otherwise it takes an operator tenant's key, as Prometheus' `authorization` sends it.",
     )
     metrics_top_adapters: int = Field(
         default=20, ge=0, description="Adapters counted by name in metrics; the rest are 'other'."

@@ -1,9 +1,12 @@
 """Read a streaming job's text deltas (``worker.streams``) as they arrive, once each.
 
-A job redelivered after a crash streams again from its first token under a new attempt
-number; text the caller already received is skipped, so the caller sees every character
+A job redelivered after a crash streams again from its first token under a new execution
+tag; text the caller already received is skipped, so the caller sees every character
 exactly once. If the new attempt's text diverges (sampled, not greedy), the stream can't be
 continued consistently and ends with ``StreamDiverged``.
+
+The stream is the record of truth: if Redis goes away for a moment (a restart, a failover),
+reading resumes from the last entry delivered, as long as the request's time lasts.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from contracts.jobs import JobPublic
 from contracts.keys import stream_key
@@ -21,6 +25,9 @@ from gateway import job_store
 
 BLOCK_MS = 200
 """How long one read waits for a delta before the record is checked again."""
+
+RETRY_S = (0.1, 1.0)
+"""First and longest pause between reads while Redis is unreachable."""
 
 
 class StreamDiverged(Exception):
@@ -58,22 +65,32 @@ async def follow(
     key = stream_key(job_id)
     last_id = "0-0"
     dedup = _Dedup()
-    deadline = asyncio.get_running_loop().time() + timeout_s
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    pause = RETRY_S[0]
     while True:
-        # Read the record first: once it is terminal, every delta is already in the stream
-        # (the worker appends them before it stores the outcome).
-        job = await job_store.get_job(redis, job_id, tenant)
-        done = job is None or job.status.terminal
-        replies: Any = await redis.xread(
-            {key: last_id}, count=256, block=None if done else BLOCK_MS
-        )
+        try:
+            # Read the record first: once it is terminal, every delta is already in the
+            # stream (the worker appends them before it stores the outcome).
+            job = await job_store.get_job(redis, job_id, tenant)
+            done = job is None or job.status.terminal
+            replies: Any = await redis.xread(
+                {key: last_id}, count=256, block=None if done else BLOCK_MS
+            )
+        except (RedisError, OSError):
+            if loop.time() + pause >= deadline:
+                raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, RETRY_S[1])
+            continue
+        pause = RETRY_S[0]
         for _, entries in replies or ():
             for entry_id, fields in entries:
                 last_id = entry_id
                 text = dedup.fresh(fields["attempt"], fields["text"])
                 if text:
                     yield text
-        out_of_time = asyncio.get_running_loop().time() >= deadline
+        out_of_time = loop.time() >= deadline
         if (done and not replies) or out_of_time:
             if job is not None:
                 yield job

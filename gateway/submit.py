@@ -14,7 +14,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -319,23 +319,23 @@ class Submitter:
         """Ledger + record in one script, then the queue; a failed enqueue withdraws both."""
         limits = self.limits(tenant, job.tier)
         expires_at = message.deadline_at + admission.LEDGER_GRACE_S
-        keys, args = admission.admit_call(job, expires_at, limits, self._settings.job_ttl_s)
-        reply = await self._redis.register_script(admission.ADMIT)(keys=keys, args=args)
-        verdict = admission.verdict(reply)
-        if verdict.refusal is not None:
-            raise refusal_error(
-                verdict, limits, job.tenant, job.tier, self._settings.admission_retry_after_s
-            )
-        try:
-            # Shielded: a request timing out mid-publish must still withdraw what it admitted.
-            await asyncio.shield(run_in_threadpool(enqueue, self._producer, message))
-        except BaseException:
-            keys, args = admission.withdraw_call(job, limits.burst)
-            with contextlib.suppress(RedisError, OSError):
-                await asyncio.shield(
-                    self._redis.register_script(admission.WITHDRAW)(keys=keys, args=args)
+
+        async def admit() -> None:
+            keys, args = admission.admit_call(job, expires_at, limits, self._settings.job_ttl_s)
+            reply = await self._redis.register_script(admission.ADMIT)(keys=keys, args=args)
+            verdict = admission.verdict(reply)
+            if verdict.refusal is not None:
+                raise refusal_error(
+                    verdict, limits, job.tenant, job.tier, self._settings.admission_retry_after_s
                 )
-            raise
+
+        async def withdraw() -> None:
+            keys, args = admission.withdraw_call(job, limits.burst)
+            await self._redis.register_script(admission.WITHDRAW)(keys=keys, args=args)
+
+        await admit_then_enqueue(
+            admit, lambda: run_in_threadpool(enqueue, self._producer, message), withdraw
+        )
 
     async def _replay(self, tenant: TenantRecord, reservation: Reservation) -> Admitted:
         if reservation.conflict:
@@ -354,6 +354,63 @@ class Submitter:
                 "expired. Use a new key.",
             )
         return Admitted(job=job, replayed=True)
+
+
+UNDO_WAIT_S = 30.0
+"""How long an admission cut short may take to finish before it is withdrawn regardless."""
+
+_undoing: set[asyncio.Task[None]] = set()  # strong references until each undo is done
+
+
+async def admit_then_enqueue(
+    admit: Callable[[], Awaitable[None]],
+    enqueue: Callable[[], Awaitable[object]],
+    withdraw: Callable[[], Awaitable[None]],
+) -> None:
+    """Admit (the script that writes records and ledger entries), then publish, as one unit:
+    both happen, or neither is left behind.
+
+    ``admit`` raises ``ApiError`` for a refusal (nothing written). A failed publish withdraws
+    the admission. If the caller is cancelled midway (its request bound ran out, its client
+    went away), the work goes on out of the caller's way and is then withdrawn: a script that
+    ran in Redis while its reply was still on the way must not leave a record ``queued`` and
+    ledger slots held behind a 503. A message published before the withdrawal finds no
+    record and is dropped by the worker; an undo that cannot reach Redis leaves the record to
+    the deadline sweeper and the ledger entry to its expiry.
+    """
+
+    async def both() -> None:
+        await admit()
+        try:
+            await enqueue()
+        except BaseException:
+            with contextlib.suppress(RedisError, OSError):
+                await withdraw()
+            raise
+
+    work = asyncio.ensure_future(both())
+    try:
+        await asyncio.shield(work)
+    except asyncio.CancelledError:
+        undo = asyncio.get_running_loop().create_task(_undo_after(work, withdraw))
+        _undoing.add(undo)
+        undo.add_done_callback(_undoing.discard)
+        raise
+
+
+async def _undo_after(work: asyncio.Future[None], withdraw: Callable[[], Awaitable[None]]) -> None:
+    with contextlib.suppress(BaseException):
+        async with asyncio.timeout(UNDO_WAIT_S):
+            await work
+    if work.done() and not work.cancelled() and isinstance(work.exception(), ApiError):
+        return  # refused: nothing was admitted
+    try:
+        async with asyncio.timeout(UNDO_WAIT_S):
+            await withdraw()
+    except (RedisError, OSError, TimeoutError) as exc:
+        log.warning("could not withdraw an admission cut short: %s", exc)
+    else:
+        log.info("withdrew an admission its request gave up on")
 
 
 def refusal_error(

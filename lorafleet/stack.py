@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from botocore.exceptions import ClientError
 from redis import Redis
 
 from contracts.errors import ErrorCode
-from contracts.keys import worker_key
+from contracts.keys import WORKERS_INDEX, worker_key
 from contracts.redis_policy import sync_options
 from contracts.tenants import ALL_ADAPTERS
 from lorafleet.processes import Child, free_port, spawn, stop_group, wait_until
@@ -155,13 +156,15 @@ class LocalStack:
         self.redis_url = f"redis://127.0.0.1:{self._redis_port}/0"
         wait_until(lambda: bool(self.redis().ping()), 30, "redis", [child])
 
-    def restart_redis(self) -> None:
-        """Stop this stack's Redis server (a clean shutdown) and start it again on its port."""
+    def restart_redis(self, down_s: float = 0.0) -> None:
+        """Stop this stack's Redis server (a clean shutdown), leave it down for ``down_s``,
+        and start it again on its port."""
         if not self._redis_port:
             raise RuntimeError("this stack does not run its own Redis")
         server = next(child for child in self.children if child.name == "redis")
         stop_group(server.pid, timeout_s=30, process=server.process)
         self.children.remove(server)
+        time.sleep(down_s)
         self._start_valkey()
         self._write_state()
 
@@ -248,26 +251,48 @@ class LocalStack:
         wait_until(self._gateway_ready, self.settings.startup_timeout_s, "the gateway", [web])
         self.wait_worker(worker)
 
-    def spawn_worker(self, extra_env: dict[str, str] | None = None, name: str = "worker") -> Child:
-        """Start one more worker (the Procfile command) without waiting for its engine."""
+    def spawn_worker(
+        self,
+        extra_env: dict[str, str] | None = None,
+        name: str = "worker",
+        wrapper: list[str] | None = None,
+    ) -> Child:
+        """Start one more worker (the Procfile command) without waiting for its engine;
+        ``wrapper`` runs it under another command (``unshare``, say)."""
         env = {**self.service_env(), **(extra_env or {})}
-        worker = self._spawn(name, ["sh", "-c", "exec " + procfile_commands()["worker"]], env)
+        argv = [*(wrapper or []), "sh", "-c", "exec " + procfile_commands()["worker"]]
+        worker = self._spawn(name, argv, env)
         self._write_state()
         return worker
 
-    def wait_worker(self, worker: Child) -> None:
-        """Until ``worker`` announced itself: engine up, hot adapters pinned, consuming."""
+    def wait_worker(self, worker: Child) -> str:
+        """Until ``worker`` announced itself (engine up, hot adapters pinned, consuming); the
+        id it announced."""
         wait_until(
-            lambda: bool(self.redis().exists(worker_key(self.worker_id(worker)))),
+            lambda: self.worker_id(worker) is not None,
             self.settings.startup_timeout_s,
             "the worker's engine",
             [worker],
         )
+        worker_id = self.worker_id(worker)
+        assert worker_id is not None
+        return worker_id
 
-    @staticmethod
-    def worker_id(worker: Child) -> str:
-        """The id ``worker`` announces itself under (``WorkerRuntime.worker_id``)."""
-        return f"{socket.gethostname()}:{worker.pid}"
+    def worker_id(self, worker: Child) -> str | None:
+        """The id (``host:pid:boot``) ``worker`` announces itself under, while it does: the
+        live announcement of its pid, or of its Celery node name (a worker started in a pid
+        namespace of its own is pid 1 there)."""
+        redis = self.redis()
+        for member in redis.smembers(WORKERS_INDEX):  # type: ignore[union-attr]
+            raw = redis.get(worker_key(str(member)))
+            if raw is None:
+                continue
+            record = json.loads(str(raw))
+            if record.get("hostname") != socket.gethostname():
+                continue
+            if record.get("pid") == worker.pid or record.get("node") == worker.name:
+                return str(member)
+        return None
 
     def _gateway_ready(self) -> bool:
         return httpx.get(f"{self.gateway_url}/readyz", timeout=2).status_code == 200

@@ -38,6 +38,9 @@ STACK_ENV = {
     "LORAFLEET_WEBHOOK_RETRY_WINDOW_S": "60",
     "LORAFLEET_WEBHOOK_POLL_S": "0.1",
     "LORAFLEET_WEBHOOK_TIMEOUT_S": "5",
+    # Jobs past their deadline end within ~2 s of it (tests/integration/test_sweeper.py).
+    "LORAFLEET_SWEEP_INTERVAL_S": "0.5",
+    "LORAFLEET_SWEEP_GRACE_S": "1",
 }
 
 

@@ -1,9 +1,11 @@
-"""A raw TCP server for tests that need a peer to misbehave: hang, hang up, or trickle."""
+"""A raw TCP server for tests that need a peer to misbehave: hang, hang up, trickle, or
+answer late."""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -44,3 +46,41 @@ def tcp_server(
 
 def hang(_: socket.socket) -> None:
     """Accept and never answer (a hung Redis, a stalled receiver)."""
+
+
+@contextmanager
+def slow_replies(upstream_port: int, markers: list[bytes], delay_s: float) -> Iterator[int]:
+    """A TCP proxy to ``127.0.0.1:upstream_port`` that holds back, by ``delay_s``, the reply
+    to any request containing one of ``markers`` (one command in flight per connection, as
+    redis-py sends them): the command runs upstream at once, its answer arrives late. Yields
+    the proxy's port."""
+
+    def relay(client: socket.socket) -> None:
+        server = socket.create_connection(("127.0.0.1", upstream_port))
+        held = threading.Event()
+
+        def downstream() -> None:
+            try:
+                while data := server.recv(65536):
+                    if held.is_set():
+                        held.clear()
+                        time.sleep(delay_s)
+                    client.sendall(data)
+            except OSError:
+                pass
+            finally:
+                client.close()
+
+        threading.Thread(target=downstream, daemon=True).start()
+        try:
+            while data := client.recv(65536):
+                if any(marker in data for marker in markers):
+                    held.set()
+                server.sendall(data)
+        except OSError:
+            pass
+        finally:
+            server.close()
+
+    with tcp_server(relay) as (port, _):
+        yield port

@@ -2,7 +2,9 @@
 
 Layout: ``<root>/adapters/<digest hex>/`` holds exactly the artifact's files. A download goes
 to ``<root>/tmp/`` and is renamed into place only after every byte matched the manifest, so a
-directory under ``adapters/`` is always complete; a failed fetch leaves nothing behind.
+directory under ``adapters/`` is always complete; a failed fetch leaves nothing behind. An
+entry whose files no longer hash to their digest is moved to ``<root>/quarantine/`` at once
+(new jobs download it again) and deleted once no job holds it.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from pydantic import ValidationError
 from urllib3.exceptions import HTTPError
 
 from contracts.digests import CHUNK_BYTES, DIGEST_PREFIX, FileEntry, Manifest, manifest_of
+from contracts.errors import ErrorCode
 from contracts.storage import blob_key, manifest_key
 from worker import metrics
-from worker.errors import AdapterIntegrityError, AdapterUnavailableError
+from worker.deadlines import passed, remaining_s
+from worker.errors import AdapterIntegrityError, AdapterUnavailableError, JobFailure
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,12 @@ class Fetched:
 
 def _ms(start: float) -> float:
     return round((time.perf_counter() - start) * 1000, 3)
+
+
+def _late(doing: str) -> JobFailure:
+    return JobFailure(
+        ErrorCode.DEADLINE_EXCEEDED, f"The job reached its deadline while it {doing}; not run."
+    )
 
 
 def _missing(error: ClientError) -> bool:
@@ -126,13 +136,16 @@ class AdapterCache:
         self._cond = threading.Condition()
         self._entries: OrderedDict[str, int] = OrderedDict()  # digest -> bytes, oldest first
         self._holds: Counter[str] = Counter()
+        # Quarantined copies of a digest, deleted when its last hold is released.
+        self._quarantined: dict[str, list[Path]] = {}
         self._reserved = 0
         self._locks: dict[str, threading.Lock] = {}
         self._scan()
 
     def _scan(self) -> None:
         """Adopt complete entries left by an earlier process; drop partial downloads."""
-        shutil.rmtree(self._root / "tmp", ignore_errors=True)
+        for leftover in ("tmp", "quarantine"):
+            shutil.rmtree(self._root / leftover, ignore_errors=True)
         (self._root / "tmp").mkdir(parents=True, exist_ok=True)
         adapters = self._root / "adapters"
         adapters.mkdir(parents=True, exist_ok=True)
@@ -171,10 +184,15 @@ class AdapterCache:
         finally:
             with self._cond:
                 self._holds[digest] -= 1
-                if self._holds[digest] == 0:
+                released = self._holds[digest] == 0
+                if released:
                     del self._holds[digest]
+                    quarantined = self._quarantined.pop(digest, [])
                     # Only an entry nobody holds can be evicted to make room: wake waiters then.
                     self._cond.notify_all()
+            if released:
+                for path in quarantined:
+                    shutil.rmtree(path, ignore_errors=True)
 
     def _touch(self, digest: str) -> bool:
         with self._cond:
@@ -187,33 +205,63 @@ class AdapterCache:
         with self._cond:
             return self._locks.setdefault(digest, threading.Lock())
 
-    def ensure(self, digest: str) -> Fetched:
+    def ensure(self, digest: str, deadline_at: float | None = None) -> Fetched:
         """Make ``digest`` present on disk, downloading and verifying it if needed.
 
         Returns the verified digest of the written files when this call downloaded them;
         ``loaded_digest`` is ``None`` when the files were already on disk (verify them before
-        trusting them: see ``verify``).
+        trusting them: see ``verify``). Waiting for another job's download of the same digest,
+        for disk space and between S3 retries ends by ``deadline_at`` (unix time): the job
+        then fails ``deadline_exceeded``.
         """
         if self._touch(digest):
             return Fetched(self.path_for(digest), None, None, None)
-        with self._lock_for(digest):
+        lock = self._lock_for(digest)
+        wait_s = remaining_s(deadline_at)
+        if not lock.acquire(timeout=-1 if wait_s is None else wait_s):
+            raise _late("waited for another job's download of its adapter")
+        try:
             if self._touch(digest):
                 return Fetched(self.path_for(digest), None, None, None)
-            return self._download(digest)
+            return self._download(digest, deadline_at)
+        finally:
+            lock.release()
 
     def verify(self, digest: str) -> tuple[str, float]:
-        """Re-hash the files on disk; on mismatch delete them and fail closed."""
+        """Re-hash the files on disk; on mismatch quarantine them and fail closed.
+
+        A quarantined entry is gone for new jobs at once (they download it again) but its
+        files are deleted only when the last job holding the digest lets go.
+        """
         start = time.perf_counter()
         path = self.path_for(digest)
-        observed = manifest_of(path).digest()
+        try:
+            observed = manifest_of(path).digest()
+        except OSError as exc:
+            observed = f"nothing readable ({exc.strerror or exc})"
         if observed != digest:
-            with self._cond:
-                self._entries.pop(digest, None)
-            shutil.rmtree(path, ignore_errors=True)
+            self._quarantine(digest, path)
             raise AdapterIntegrityError(
-                f"Cached files of revision {digest} hash to {observed}; they were removed."
+                f"Cached files of revision {digest} hash to {observed}; they were quarantined "
+                "and will be fetched again."
             )
         return observed, _ms(start)
+
+    def _quarantine(self, digest: str, path: Path) -> None:
+        target = self._root / "quarantine" / f"{path.name}.{uuid.uuid4().hex[:8]}"
+        with self._cond:
+            self._entries.pop(digest, None)
+            metrics.RESIDENT.labels("disk").set(len(self._entries))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(path, target)
+            except FileNotFoundError:
+                return  # another job quarantined it first
+            metrics.EVICTIONS.labels("quarantine").inc()
+            if self._holds.get(digest):
+                self._quarantined.setdefault(digest, []).append(target)
+                return
+        shutil.rmtree(target, ignore_errors=True)
 
     def _evict_until(self, needed: int) -> bool:
         """Evict unheld entries, oldest first, until ``needed`` more bytes fit. Lock held."""
@@ -230,17 +278,21 @@ class AdapterCache:
             log.info("disk cache evicted %s", digest)
         return used + needed <= self._max_bytes
 
-    def _reserve(self, digest: str, size: int) -> None:
+    def _reserve(self, digest: str, size: int, deadline_at: float | None) -> None:
         if size > self._max_bytes:
             raise AdapterUnavailableError(
                 f"Revision {digest} is {size} bytes, more than this worker's disk cache "
                 f"({self._max_bytes} bytes)."
             )
-        deadline = time.monotonic() + self._wait_s
+        wait_s = self._wait_s
+        job_s = remaining_s(deadline_at)
+        deadline = time.monotonic() + (wait_s if job_s is None else min(wait_s, job_s))
         with self._cond:
             while not self._evict_until(size):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    if passed(deadline_at):
+                        raise _late("waited for disk cache space for its adapter")
                     raise AdapterUnavailableError(
                         f"The disk cache is full of adapters in use; {digest} could not be "
                         f"fetched within {self._wait_s:.0f} s."
@@ -248,14 +300,14 @@ class AdapterCache:
                 self._cond.wait(remaining)
             self._reserved += size
 
-    def _download(self, digest: str) -> Fetched:
+    def _download(self, digest: str, deadline_at: float | None) -> Fetched:
         start = time.perf_counter()
         manifest = self._fetch_manifest(digest)
-        self._reserve(digest, manifest.size_bytes)
+        self._reserve(digest, manifest.size_bytes, deadline_at)
         tmp = self._root / "tmp" / f"{digest.removeprefix(DIGEST_PREFIX)}.{uuid.uuid4().hex}"
         try:
             tmp.mkdir()
-            observed = tuple(self._fetch_file(entry, tmp) for entry in manifest.files)
+            observed = tuple(self._fetch_file(entry, tmp, deadline_at) for entry in manifest.files)
             fetch_ms = _ms(start)
             verify_start = time.perf_counter()
             loaded = Manifest(files=observed).digest()
@@ -264,16 +316,39 @@ class AdapterCache:
                     f"Downloaded files of revision {digest} hash to {loaded}; refused."
                 )
             final = self.path_for(digest)
-            os.rename(tmp, final)
+            self._place(tmp, final)
             with self._cond:
                 self._entries[digest] = manifest.size_bytes
                 metrics.RESIDENT.labels("disk").set(len(self._entries))
             return Fetched(final, loaded, fetch_ms, _ms(verify_start))
+        except OSError as exc:
+            # The disk, not the store or the job: full, read-only, a path that is not a
+            # directory. The job fails visibly; nothing half-written stays.
+            raise AdapterUnavailableError(
+                f"This worker could not store revision {digest} in its disk cache: "
+                f"{exc.strerror or exc} ({type(exc).__name__})."
+            ) from exc
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
             with self._cond:
                 self._reserved -= manifest.size_bytes
                 self._cond.notify_all()
+
+    def _place(self, tmp: Path, final: Path) -> None:
+        """Rename the verified download into place. A directory already there (left by a
+        process that shared this cache, or an entry this one dropped but could not delete)
+        is not one of ours: it is moved aside and deleted, never trusted."""
+        try:
+            os.rename(tmp, final)
+        except OSError as exc:
+            if not final.exists():
+                raise
+            stray = self._root / "quarantine" / f"{final.name}.{uuid.uuid4().hex[:8]}"
+            stray.parent.mkdir(parents=True, exist_ok=True)
+            log.warning("replacing stray cache directory %s (%s)", final, exc)
+            os.rename(final, stray)
+            os.rename(tmp, final)
+            shutil.rmtree(stray, ignore_errors=True)
 
     def _get(self, key: str) -> Any:
         try:
@@ -300,13 +375,18 @@ class AdapterCache:
                 )
         return manifest
 
-    def _fetch_file(self, entry: FileEntry, directory: Path) -> FileEntry:
+    def _fetch_file(
+        self, entry: FileEntry, directory: Path, deadline_at: float | None = None
+    ) -> FileEntry:
         """Stream one blob to disk, hashing as it arrives; returns what was observed.
 
         botocore retries failed requests itself; a connection that breaks mid-body is retried
-        here, from the start, up to ``stream_attempts`` times with jittered backoff.
+        here, from the start, up to ``stream_attempts`` times with jittered backoff, and not
+        past ``deadline_at``.
         """
         for attempt in range(1, self._stream_attempts + 1):
+            if passed(deadline_at):
+                raise _late(f"downloaded {entry.path} of its adapter")
             try:
                 return self._stream_file(entry, directory)
             except _StreamBroken as broken:
@@ -315,7 +395,9 @@ class AdapterCache:
                         f"Download of {entry.path} failed {attempt} times: {broken}"
                     ) from broken
                 log.warning("download of %s broke (%s); retrying", entry.path, broken)
-                time.sleep(random.uniform(0.5, 1.0) * 0.2 * 2**attempt)
+                pause = random.uniform(0.5, 1.0) * 0.2 * 2**attempt
+                job_s = remaining_s(deadline_at)
+                time.sleep(pause if job_s is None else min(pause, job_s))
         raise AssertionError("unreachable")
 
     def _stream_file(self, entry: FileEntry, directory: Path) -> FileEntry:

@@ -13,7 +13,11 @@ they add up to (README, "Delivery guarantees"):
 - effects once: every record change is a compare-and-set (``contracts.job_records``);
 - a job that kills its worker every time stops after ``max_attempts`` starts;
 - SIGTERM drains: no new jobs, running ones get ``drain_timeout_s`` to finish, then are aborted
-  and handed back to the queue; unstarted prefetched jobs go back to the queue at once.
+  and handed back to the queue; unstarted prefetched jobs go back to the queue at once;
+- a failed engine (``worker.watchdog``) is a drain that cannot wait: the worker stops
+  consuming, hands every job back, and exits non-zero (``worker.runtime``);
+- a delivery of a job whose other attempt is alive (a reaper or a reconnect handed the
+  message back early) waits for that attempt's lease instead of running it twice.
 """
 
 from __future__ import annotations
@@ -99,10 +103,10 @@ def _start_runtime(**_: Any) -> None:
 
 
 @worker_ready.connect
-def _announce(**_: Any) -> None:
+def _announce(sender: Any, **_: Any) -> None:
     # Only now does the consumer (and its remote-control mailbox) run: announce readiness here,
-    # not when the engine is up, so "ready" means "taking jobs".
-    runtime().announce()
+    # not when the engine is up, so "ready" means "taking jobs". The sender is the consumer.
+    runtime().announce(sender)
 
 
 @task_received.connect
@@ -110,7 +114,7 @@ def _note_delivery(request: Any, **_: Any) -> None:
     # In the consumer thread, as the message arrives: record its broker delivery tag, so a
     # reaper can hand it back if this worker dies (written off this thread: no Redis wait).
     if _runtime is not None:
-        _runtime.held.received(request.id, request.message.delivery_tag)
+        _runtime.received(request)
 
 
 @worker_shutting_down.connect

@@ -79,14 +79,6 @@ class WorkerSettings(ServiceSettings):
     s3_max_attempts: int = Field(
         default=4, ge=1, description="Attempts per S3 call (botocore standard retry mode)."
     )
-    job_ttl_s: int = Field(
-        default=7 * 24 * 3600, gt=0, description="How long job records and results are kept."
-    )
-    job_deadline_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="Largest per-job deadline (as the gateway's); below the visibility timeout.",
-    )
     visibility_timeout_s: int = Field(
         default=900,
         gt=0,
@@ -115,6 +107,34 @@ class WorkerSettings(ServiceSettings):
         ge=0,
         description="On SIGTERM, how long running jobs may finish; past it they are aborted "
         "and handed back to the queue. Keep below the orchestrator's grace period.",
+    )
+    lease_ttl_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long a running attempt's lease outlives its last renewal (renewed "
+        "every quarter of it). A Redis outage shorter than this never starts a second attempt "
+        "of a running job; a dead worker's running jobs wait this long for their lease.",
+    )
+    engine_check_s: float = Field(
+        default=1.0, gt=0, description="How often the worker reads vLLM's own engine health."
+    )
+    engine_probe_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often the worker probes its engine with a round trip through the "
+        "engine loop and the engine core.",
+    )
+    engine_probe_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="A probe unanswered this long means the engine is wedged: the worker stops "
+        "consuming, hands its jobs back and exits.",
+    )
+    engine_failure_exit_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Once the engine failed, how long the worker takes at most to hand its jobs "
+        "back and exit (with code 75); past it, it exits at once.",
     )
     cancel_poll_s: float = Field(
         default=2.0,
@@ -171,6 +191,22 @@ class WorkerSettings(ServiceSettings):
     def announcement_ttl_s(self) -> int:
         """Seconds a worker's heartbeat key outlives its last beat."""
         return math.ceil(self.heartbeat_s * 4) + 2
+
+    @property
+    def lease_refresh_s(self) -> float:
+        """How often a worker renews the leases of its running attempts."""
+        return self.lease_ttl_s / 4
+
+    @property
+    def lease_rejoin_s(self) -> float:
+        """Right after a Redis outage, how long a running job without a lease is left to the
+        attempt that ran it to take its lease back before another delivery claims it."""
+        return 2 * self.lease_refresh_s + 1
+
+    @property
+    def safe_deadline_s(self) -> float:
+        """The longest job deadline this worker's visibility timeout covers."""
+        return self.visibility_timeout_s - self.announcement_ttl_s - self.restore_interval_s
 
 
 @lru_cache(maxsize=1)

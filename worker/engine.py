@@ -2,16 +2,23 @@
 
 Celery's thread pool runs many tasks at once; each submits coroutines to this loop, so the
 engine sees all of them together and batches across jobs and adapters.
+
+The host also knows when its engine can no longer run anything: vLLM reports a dead engine
+core (``EngineDeadError``, ``errored``), and ``probe`` bounds a round trip through the loop
+and the engine core, which catches a wedged loop or a hung engine core. Once failed
+(``fail``), every call waiting on the engine ends at once with ``EngineFailed`` and new calls
+are refused; the worker then hands its jobs back and exits (``worker.runtime``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import threading
-from collections.abc import Coroutine
-from concurrent.futures import Future
+from collections.abc import Callable, Coroutine
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,10 +27,16 @@ import vllm
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from worker.config import LoraRank, WorkerSettings
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class EngineFailed(Exception):
+    """The engine can no longer run anything (its core died, or it stopped answering)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,10 @@ class EngineHost:
             target=self._loop.run_forever, name="engine-loop", daemon=True
         )
         self._engine: AsyncLLM | None = None
+        self._lock = threading.Lock()
+        self._pending: set[Future[Any]] = set()
+        self._failure: str | None = None
+        self._on_failure: list[Callable[[str], None]] = []
 
     def start(self) -> None:
         """Start the loop thread and build the engine on it (blocks until ready)."""
@@ -150,19 +167,93 @@ class EngineHost:
         """
         return colocate_children(psutil.Process())
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine failed (``None`` while it serves)."""
+        return self._failure
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` once, from whichever thread notices the failure first."""
+        self._on_failure.append(callback)
+
+    def fail(self, reason: str) -> None:
+        """Mark the engine failed (first reason wins): every pending call ends with
+        ``EngineFailed``, later ones are refused, and the failure callbacks run."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = reason
+            pending, self._pending = self._pending, set()
+        log.critical("engine failed: %s", reason)
+        for future in pending:
+            future.cancel()
+        for callback in self._on_failure:
+            callback(reason)
+
+    def _refuse_if_failed(self) -> None:
+        if self._failure is not None:
+            raise EngineFailed(self._failure)
+
+    async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:
+        try:
+            return await coro
+        except EngineDeadError as exc:
+            self.fail(f"the engine core died ({exc})")
+            raise EngineFailed(self._failure or str(exc)) from exc
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        """Schedule ``coro`` on the engine loop from any thread."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        """Schedule ``coro`` on the engine loop from any thread. The future is cancelled if the
+        engine fails meanwhile; an ``EngineDeadError`` inside it fails the engine."""
+        with self._lock:
+            if self._failure is not None:
+                coro.close()
+                raise EngineFailed(self._failure)
+            future = asyncio.run_coroutine_threadsafe(self._guarded(coro), self._loop)
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: Future[Any]) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def result(self, future: Future[T], timeout_s: float | None = None) -> T:
+        """Wait for ``future`` (from ``submit``); ``EngineFailed`` if the engine failed."""
+        try:
+            return future.result(timeout=timeout_s)
+        except CancelledError:
+            self._refuse_if_failed()
+            raise
 
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         """Run ``coro`` on the engine loop and wait for its result; past ``timeout_s`` the
-        coroutine is cancelled and ``TimeoutError`` raised."""
+        coroutine is cancelled and ``TimeoutError`` raised. ``EngineFailed`` once the engine
+        failed, also while waiting."""
         future = self.submit(coro)
         try:
-            return future.result(timeout=timeout_s)
+            return self.result(future, timeout_s)
         except TimeoutError:
             future.cancel()
             raise
+
+    def probe(self, timeout_s: float) -> None:
+        """One round trip through the loop and the engine core (served between engine steps),
+        within ``timeout_s``; fails the engine if it is dead or does not answer in time."""
+
+        async def ask() -> None:
+            await self.engine.check_health()
+            await self.engine.list_loras()
+
+        if self.engine.errored:
+            self.fail("the engine core exited")
+        try:
+            self.run(ask(), timeout_s)
+        except TimeoutError:
+            self.fail(
+                f"the engine did not answer a health probe within {timeout_s:g} s (its event "
+                "loop or its engine core is stuck)"
+            )
+        self._refuse_if_failed()
 
     def unfinished_requests(self, timeout_s: float = 5.0) -> int:
         """Requests the engine still holds (running or waiting), asked on its own loop."""
@@ -179,4 +270,5 @@ class EngineHost:
             self._engine = None
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
+            # A wedged loop never stops: the thread is a daemon and the process leaves anyway.
             self._thread.join(timeout=10)

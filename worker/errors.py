@@ -34,6 +34,8 @@ class StopReason(StrEnum):
 
     CANCELLED = "cancelled"  # a caller cancelled it: the record already says so
     DRAIN = "drain"  # the worker is shutting down and its drain timeout passed: give it back
+    ENGINE_FAILED = "engine_failed"  # the engine died or stopped answering: give it back
+    LEASE_LOST = "lease_lost"  # another attempt owns the job now: write nothing
 
 
 class JobStopped(Exception):
@@ -42,3 +44,8 @@ class JobStopped(Exception):
     def __init__(self, reason: StopReason) -> None:
         super().__init__(reason.value)
         self.reason = reason
+
+
+class StoreUnreachable(Exception):
+    """Redis did not take what the job must store (its outcome, its streamed text) in time;
+    the delivery goes back to its queue rather than being acknowledged."""

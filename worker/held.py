@@ -1,7 +1,7 @@
 """The deliveries this worker holds, mirrored to Redis for the fleet's reapers.
 
 A delivery is recorded as soon as the consumer receives it (``lorafleet:held:<worker>``,
-task id -> broker delivery tag) and cleared once its outcome is stored; if this worker dies,
+broker delivery tag -> task id) and cleared once its outcome is stored; if this worker dies,
 another worker's reaper hands everything recorded back to its queue (``worker.reaper``).
 The writes happen on a thread of their own, in order and pipelined, so the consumer thread
 never waits on Redis; what remains exposed is the moment between a message's receipt and its
@@ -39,13 +39,16 @@ class HeldDeliveries:
     def close(self) -> None:
         self._writer.close()
 
-    def received(self, task_id: str, delivery_tag: str) -> None:
+    def received(self, delivery_tag: str, task_id: str) -> None:
         """Called on the consumer thread as a message arrives: never blocks."""
-        self._ops.put((_HOLD, task_id, delivery_tag))
+        self._ops.put((_HOLD, delivery_tag, task_id))
 
-    def finished(self, task_id: str) -> None:
-        """The outcome is stored (or the job handed back): nothing left to restore."""
-        self._ops.put((_RELEASE, task_id, ""))
+    def finished(self, delivery_tag: str) -> None:
+        """The outcome is stored (or the delivery handed back): nothing left to restore.
+
+        By delivery, not by job: a duplicate delivery of a job this worker also runs stays
+        recorded until it, too, is finished."""
+        self._ops.put((_RELEASE, delivery_tag, ""))
 
     def _run(self, stopping: threading.Event) -> None:
         pending: list[tuple[str, str, str]] = []
@@ -71,9 +74,9 @@ class HeldDeliveries:
 
     def _write(self, ops: list[tuple[str, str, str]]) -> None:
         pipe = self._redis.pipeline(transaction=False)
-        for op, task_id, tag in ops:
+        for op, tag, task_id in ops:
             if op == _HOLD:
-                pipe.hset(self._key, task_id, tag)
+                pipe.hset(self._key, tag, task_id)
             else:
-                pipe.hdel(self._key, task_id)
+                pipe.hdel(self._key, tag)
         pipe.execute()

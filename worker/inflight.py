@@ -17,10 +17,14 @@ from worker.errors import JobStopped, StopReason
 
 
 class Running:
-    """One job in flight in this process."""
+    """One attempt of a job in flight in this process."""
 
-    def __init__(self, job_id: str) -> None:
+    def __init__(self, job_id: str, attempt: int) -> None:
         self.job_id = job_id
+        self.attempt = attempt
+        # Set on the engine loop once the job's request is in the engine: if the engine dies
+        # from then on, the job was generating under it.
+        self.in_engine = False
         self._lock = threading.Lock()
         self._reason: StopReason | None = None
         self._future: Future[Any] | None = None
@@ -64,8 +68,8 @@ class InFlight:
         self._jobs: dict[str, Running] = {}
 
     @contextmanager
-    def track(self, job_id: str) -> Iterator[Running]:
-        running = Running(job_id)
+    def track(self, job_id: str, attempt: int) -> Iterator[Running]:
+        running = Running(job_id, attempt)
         with self._lock:
             self._jobs[job_id] = running
         try:
@@ -78,6 +82,11 @@ class InFlight:
     def job_ids(self) -> list[str]:
         with self._lock:
             return list(self._jobs)
+
+    def attempts(self) -> list[tuple[str, int]]:
+        """``(job id, attempt)`` of every job in flight."""
+        with self._lock:
+            return [(job_id, running.attempt) for job_id, running in self._jobs.items()]
 
     def __len__(self) -> int:
         with self._lock:

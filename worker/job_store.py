@@ -1,6 +1,9 @@
 """Job records in Redis, worker side: claim a delivery, finish it, or give it back.
 
-Every write is one call of ``contracts.job_records.ADVANCE`` (compare-and-set).
+A claim is ``contracts.job_records.CLAIM`` (compare-and-set on ``attempts``, refused while
+another attempt holds the job's lease); every other write is one call of ``ADVANCE``. An
+outcome is written only if ``attempts`` still holds this attempt's number, so an attempt that
+another one superseded (after a long Redis outage, say) cannot overwrite anything.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from redis import Redis
 from redis.exceptions import ConnectionError, TimeoutError
 
 from contracts.errors import ErrorBody, ErrorCode
-from contracts.job_records import ADVANCE, Advance, advance_call
+from contracts.job_records import ADVANCE, CLAIM, Advance, advance_call, claim_call, lease_value
 from contracts.jobs import JobPublic, JobResult, JobStatus, ResultMetadata
-from contracts.keys import job_key
+from contracts.keys import job_key, lease_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -30,6 +33,12 @@ class ClaimOutcome(StrEnum):
     FINISHED = "finished"  # terminal already: a duplicate delivery, or cancelled while queued
     MISSING = "missing"  # no record: expired, or withdrawn by a gateway whose enqueue failed
     EXHAUSTED = "exhausted"  # too many attempts started before: failed with attempts_exhausted
+    ELSEWHERE = "elsewhere"  # another attempt held the lease until past the job's deadline
+    ABANDONED = "abandoned"  # this worker stopped waiting for the lease (it is failing)
+
+
+LEASE_POLL_S = 0.5
+"""How often a delivery waiting for another attempt's lease looks again."""
 
 
 @dataclass(frozen=True)
@@ -45,11 +54,30 @@ class JobStore:
     up to ``outage_s`` before the error propagates (and the job is left to redelivery).
     """
 
-    def __init__(self, redis: Redis, ttl_s: int, outage_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        ttl_s: int,
+        worker_id: str = "",
+        lease_ttl_s: float = 60.0,
+        outage_s: float = 60.0,
+    ) -> None:
         self._redis = redis
         self._ttl_s = ttl_s
+        self._worker_id = worker_id
+        self._lease_ttl_s = lease_ttl_s
         self._outage_s = outage_s
         self._advance = redis.register_script(ADVANCE)
+        self._claim = redis.register_script(CLAIM)
+        self._last_outage = -float("inf")
+
+    def note_outage(self) -> None:
+        """Redis was unreachable just now (from any of this process's clients)."""
+        self._last_outage = time.monotonic()
+
+    def outage_within(self, seconds: float) -> bool:
+        """Redis was seen unreachable in the last ``seconds``."""
+        return time.monotonic() - self._last_outage < seconds
 
     def _patiently(self, call: Callable[[], T]) -> T:
         deadline = time.monotonic() + self._outage_s
@@ -58,6 +86,7 @@ class JobStore:
             try:
                 return call()
             except (ConnectionError, TimeoutError) as exc:
+                self.note_outage()
                 if time.monotonic() + delay > deadline:
                     raise
                 log.warning("Redis unavailable (%s); retrying in %.1f s", exc, delay)
@@ -81,11 +110,24 @@ class JobStore:
         keys, args = advance_call(job, self._ttl_s, expect_attempts)
         return Advance(int(self._patiently(lambda: self._advance(keys=keys, args=args))))
 
-    def claim(self, job_id: str, worker_id: str, max_attempts: int) -> Claim:
-        """Start an attempt: ``running`` with the attempt counted, unless it must not run.
+    def claim(
+        self,
+        job_id: str,
+        max_attempts: int,
+        wait_until: float,
+        abandon: Callable[[], bool],
+        rejoin_s: float,
+    ) -> Claim:
+        """Start an attempt: ``running`` with the attempt counted and the lease taken, unless
+        the job must not run here.
 
         The attempt is counted before anything runs, so a job that kills its worker every
-        time is stopped by the counter even though no attempt ever finishes.
+        time is stopped by the counter even though no attempt ever finishes. While another
+        attempt holds the job's lease this delivery waits (it is a duplicate: a reaper or a
+        reconnect handed the message back while that attempt lived) until the lease ends,
+        ``wait_until`` (unix time) passes, or ``abandon()`` says to stop. Right after a Redis
+        outage (within ``rejoin_s``), a running job without a lease is given that long for its
+        attempt to take its lease back before it is claimed again.
         """
         while True:
             job = self.get(job_id)
@@ -93,52 +135,106 @@ class JobStore:
                 return Claim(ClaimOutcome.MISSING, None)
             if job.status.terminal:
                 return Claim(ClaimOutcome.FINISHED, job)
-            if job.attempts >= max_attempts:
+            held = self._patiently(lambda: self._redis.exists(lease_key(job_id)))
+            rejoining = job.status == JobStatus.RUNNING and self.outage_within(rejoin_s)
+            if held or rejoining:
+                if abandon():
+                    return Claim(ClaimOutcome.ABANDONED, job)
+                if time.time() >= wait_until:
+                    return Claim(ClaimOutcome.ELSEWHERE, job)
+                time.sleep(LEASE_POLL_S)
+                continue
+            exhausted = _exhausted(job, max_attempts)
+            if exhausted is not None:
+                outcome = self._write(exhausted, expect_attempts=job.attempts)
                 wanted = ClaimOutcome.EXHAUSTED
-                claimed = _finished(
-                    job,
-                    JobStatus.FAILED,
-                    error=ErrorBody(
-                        code=ErrorCode.ATTEMPTS_EXHAUSTED,
-                        message=f"The job was started {job.attempts} times and no attempt "
-                        "finished (its worker died or was stopped each time); it will not be "
-                        "tried again.",
-                    ),
-                )
+                claimed = exhausted
             else:
-                wanted = ClaimOutcome.RUN
                 claimed = job.model_copy(
                     update={
                         "status": JobStatus.RUNNING,
                         "started_at": _now(),
                         "attempts": job.attempts + 1,
-                        "worker": worker_id,
+                        "worker": self._worker_id,
                     }
                 )
-            outcome = self._write(claimed, expect_attempts=job.attempts)
+                outcome = self._start(claimed, expect_attempts=job.attempts)
+                wanted = ClaimOutcome.RUN
             if outcome == Advance.WRITTEN:
                 return Claim(wanted, claimed)
             if outcome == Advance.MISSING:
                 return Claim(ClaimOutcome.MISSING, None)
-            # CONFLICT or ALREADY_FINISHED: someone wrote in between; decide again.
+            # CONFLICT, LEASED or ALREADY_FINISHED: someone wrote in between; decide again.
 
-    def release(self, job: JobPublic) -> bool:
-        """Give a running attempt back (worker draining): ``queued``, the attempt uncounted.
+    def _start(self, claimed: JobPublic, expect_attempts: int) -> Advance:
+        lease = lease_value(self._worker_id, claimed.attempts)
+        keys, args = claim_call(claimed, expect_attempts, lease, self._lease_ttl_s, self._ttl_s)
+        return Advance(int(self._patiently(lambda: self._claim(keys=keys, args=args))))
+
+    def release(self, job: JobPublic, engine_failed_under_it: bool = False) -> bool:
+        """Give a running attempt back (worker draining, or its engine failed): ``queued``,
+        the attempt uncounted, the lease dropped. ``engine_failed_under_it``: the engine died
+        while this job was generating, which is counted (``engine_failures``) so that a job
+        that kills every engine it runs on is stopped all the same.
 
         Only if no other write happened since ``job`` was claimed.
         """
         queued = job.model_copy(
-            update={"status": JobStatus.QUEUED, "attempts": job.attempts - 1, "started_at": None}
+            update={
+                "status": JobStatus.QUEUED,
+                "attempts": job.attempts - 1,
+                "started_at": None,
+                "engine_failures": job.engine_failures + int(engine_failed_under_it),
+            }
         )
         return self._write(queued, expect_attempts=job.attempts) == Advance.WRITTEN
 
     def succeed(self, job: JobPublic, result: JobResult, metadata: ResultMetadata) -> bool:
+        """Store the result of attempt ``job.attempts``, if it is still the current one."""
         done = _finished(job, JobStatus.SUCCEEDED, result=result, metadata=metadata)
-        return self._write(done) == Advance.WRITTEN
+        return self._write(done, expect_attempts=job.attempts) == Advance.WRITTEN
 
     def fail(self, job: JobPublic, error: ErrorBody, metadata: ResultMetadata | None) -> bool:
+        """Store the failure of attempt ``job.attempts``, if it is still the current one."""
         done = _finished(job, JobStatus.FAILED, error=error, metadata=metadata)
-        return self._write(done) == Advance.WRITTEN
+        return self._write(done, expect_attempts=job.attempts) == Advance.WRITTEN
+
+    def expire(self, job: JobPublic) -> bool:
+        """Fail ``job`` ``deadline_exceeded`` as it is now (the deadline sweeper), saying where
+        it was last seen; only if nothing else wrote to it since it was read."""
+        if job.status == JobStatus.RUNNING:
+            where = f"running on worker {job.worker} (attempt {job.attempts})"
+        elif job.attempts:
+            where = f"queued on {job.queue} again after {job.attempts} attempt(s)"
+        else:
+            where = f"queued on {job.queue}, never started"
+        deadline = job.deadline_at.isoformat() if job.deadline_at else "its deadline"
+        error = ErrorBody(
+            code=ErrorCode.DEADLINE_EXCEEDED,
+            message=f"The job's deadline ({deadline}) passed while it was {where}; no worker "
+            "finished it, so the deadline sweeper ended it.",
+        )
+        done = _finished(job, JobStatus.FAILED, error=error, metadata=job.metadata)
+        return self._write(done, expect_attempts=job.attempts) == Advance.WRITTEN
+
+
+def _exhausted(job: JobPublic, max_attempts: int) -> JobPublic | None:
+    """The job failed ``attempts_exhausted``, if it may not start again."""
+    if job.attempts >= max_attempts:
+        why = (
+            f"The job was started {job.attempts} times and no attempt finished (its worker "
+            "died or was stopped each time); it will not be tried again."
+        )
+    elif job.engine_failures >= max_attempts:
+        why = (
+            f"The engine running the job died {job.engine_failures} times while the job was "
+            "generating (each time on a worker that then restarted); it will not be tried "
+            "again."
+        )
+    else:
+        return None
+    error = ErrorBody(code=ErrorCode.ATTEMPTS_EXHAUSTED, message=why)
+    return _finished(job, JobStatus.FAILED, error=error)
 
 
 def _finished(

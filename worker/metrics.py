@@ -1,6 +1,7 @@
 """The worker's Prometheus metrics, served on ``LORAFLEET_METRICS_PORT`` with vLLM's own
 (``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``:
-the engine registers them in the same default registry).
+the engine registers them in the same default registry), and its probes on the same port:
+``/readyz`` (200 while it takes jobs) and ``/livez`` (200 until its engine failed).
 
 Several worker processes on one host: each binds the first free port from the configured
 one (``0``: any free port) and announces the port it got in its heartbeat.
@@ -9,8 +10,12 @@ one (``0``: any free port) and announces the port it got in its heartbeat.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
 
 from contracts import metrics as names
 from contracts.errors import ErrorCode
@@ -52,20 +57,58 @@ IDENTITY = Counter(
     "Adapter identity checks before generation (mismatched must stay 0).",
     ["result"],
 )
+DELIVERIES = Counter(
+    names.JOB_DELIVERIES,
+    "Job deliveries by what the claim decided (run, finished, missing, exhausted, "
+    "elsewhere: another attempt held the job to its deadline, abandoned: handed back).",
+    ["outcome"],
+)
+ENGINE_FAILURES = Counter(
+    names.ENGINE_FAILURES, "Times this worker's engine failed (the worker then exits)."
+)
+DEADLINE_BEYOND_VISIBILITY = Counter(
+    names.DEADLINE_BEYOND_VISIBILITY,
+    "Jobs whose deadline outlasts this worker's visibility timeout (raise the timeout).",
+)
+
+Probe = Callable[[], bool]
 
 
-def serve(port: int) -> int:
-    """Serve the metrics on ``port`` or the next free one; the port in use."""
-    if port == 0:
-        server, _ = start_http_server(0)
-        return int(server.server_port)
-    for candidate in range(port, port + PORT_ATTEMPTS):
+def serve(port: int, ready: Probe, live: Probe) -> int:
+    """Serve the metrics and the probes on ``port`` or the next free one; the port in use."""
+    candidates = [0] if port == 0 else list(range(port, port + PORT_ATTEMPTS))
+    for candidate in candidates:
         try:
-            start_http_server(candidate)
+            server = ThreadingHTTPServer(("", candidate), _handler(ready, live))
         except OSError:
             continue
-        return candidate
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+        return int(server.server_port)
     raise OSError(f"no free metrics port in {port}..{port + PORT_ATTEMPTS - 1}")
+
+
+def _handler(ready: Probe, live: Probe) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path in ("/readyz", "/livez"):
+                ok = (ready if path == "/readyz" else live)()
+                self._answer(200 if ok else 503, b"ok\n" if ok else b"no\n", "text/plain")
+            else:
+                self._answer(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
+
+        def _answer(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:  # scrapes and probes are not news
+            return
+
+    return Handler
 
 
 def job_finished(

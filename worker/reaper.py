@@ -1,7 +1,7 @@
 """Hands a dead worker's jobs back to their queues, without waiting for the visibility timeout.
 
-Every worker records the deliveries it has received and not yet finished (``held_key``: task
-id -> broker delivery tag) and refreshes a heartbeat key that expires ``announcement_ttl_s``
+Every worker records the deliveries it has received and not yet finished (``held_key``:
+broker delivery tag -> task id) and refreshes a heartbeat key that expires ``announcement_ttl_s``
 after its last beat. Every ``restore_interval_s`` each worker looks for workers in the index
 whose heartbeat expired; for each delivery such a worker held, the first reaper to remove the
 entry puts the message back on its queue with kombu's own restore (the message moves from the
@@ -9,6 +9,12 @@ transport's unacked set to the queue, as a visibility-timeout restore would do).
 killed with its worker runs again within about ``announcement_ttl_s + restore_interval_s``,
 long before its deadline, while the visibility timeout remains the backstop (for example for a
 reaper that died half-way).
+
+A worker id carries a boot id (``host:pid:boot``): a container restarted in the same pod runs
+as the same pid on the same host, and without it the new process would take its dead
+predecessor's deliveries for its own. A worker that looks dead but is not (its heartbeat
+expired during a Redis outage) loses nothing: a restored job waits for the lease of the
+attempt still running it (``contracts.job_records.CLAIM``).
 """
 
 from __future__ import annotations
@@ -59,9 +65,9 @@ class Reaper(Background):
         if held:
             with Connection(self._broker_url) as connection:
                 qos = connection.default_channel.qos
-                for task_id, tag in held.items():
+                for tag in held:
                     # Whoever removes the entry restores it: two reapers never both do.
-                    if self._redis.hdel(held_key(dead), task_id) == 1:
+                    if self._redis.hdel(held_key(dead), tag) == 1:
                         qos.restore_by_tag(tag)
                         restored += 1
             log.warning("worker %s is gone: %d job(s) back on their queues", dead, restored)

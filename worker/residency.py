@@ -8,6 +8,7 @@ by both).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import Counter
@@ -18,11 +19,21 @@ from dataclasses import dataclass
 from vllm.lora.request import LoRARequest
 
 from contracts.digests import short
+from contracts.errors import ErrorCode
 from contracts.jobs import LoadTimings, Residency
 from worker import metrics
 from worker.adapter_cache import AdapterCache
+from worker.deadlines import remaining_s
 from worker.engine import EngineHost
-from worker.errors import AdapterIntegrityError
+from worker.errors import AdapterIntegrityError, JobFailure
+
+log = logging.getLogger(__name__)
+
+
+def _late(doing: str) -> JobFailure:
+    return JobFailure(
+        ErrorCode.DEADLINE_EXCEEDED, f"The job reached its deadline while it {doing}; not run."
+    )
 
 
 @dataclass(frozen=True)
@@ -149,12 +160,16 @@ class EngineAdapters:
             lora_path=str(self._cache.path_for(digest)),
         )
 
-    def registered(self) -> set[int]:
+    def registered(self, deadline_at: float | None = None) -> set[int]:
         """Adapter ids the engine holds right now (its own answer, not our bookkeeping).
 
         Asked no earlier than this call; concurrent callers share one question to the engine.
+        Past ``deadline_at`` (unix time) waiting for the answer fails ``deadline_exceeded``.
         """
-        return self._host.run(self._listing.ask())
+        try:
+            return self._host.run(self._listing.ask(), remaining_s(deadline_at))
+        except TimeoutError:
+            raise _late("asked the engine which adapters it holds") from None
 
     def observe(self, digest: str, registered: set[int]) -> Residency:
         """Residency of ``digest`` given the engine's ``registered`` ids (just asked)."""
@@ -164,41 +179,75 @@ class EngineAdapters:
         return "disk" if self._cache.has(digest) else "remote"
 
     def make_resident(
-        self, alias: str, digest: str, timings: LoadTimings, registered: set[int]
+        self,
+        alias: str,
+        digest: str,
+        timings: LoadTimings,
+        registered: set[int],
+        deadline_at: float | None = None,
     ) -> Resident:
         """Ensure ``digest`` is on disk and registered in the engine from verified files.
 
         The caller holds ``digest`` in the disk cache and passes the engine's ``registered``
         ids, asked just before. ``timings`` receives the phases this call ran (fetch,
-        verify, engine_load), each as it completes.
+        verify, engine_load), each as it completes. Every wait (download, disk space, another
+        job's load of the same adapter, the engine) ends by ``deadline_at`` (unix time):
+        past it the job fails ``deadline_exceeded``.
         """
         request = self.request_for(alias, digest)
         lora_id = request.lora_int_id
         # On disk in every case, even when the engine has it: vLLM reloads from this path
         # should it drop the adapter from its own cache (fetched again if evicted).
-        fetched = self._cache.ensure(digest)
+        fetched = self._cache.ensure(digest, deadline_at)
         timings.fetch, timings.verify = fetched.fetch_ms, fetched.verify_ms
         if lora_id in registered and lora_id in self._handed:
             return Resident(request, self._handed[lora_id])
-        with self._lock_for(digest):
+        lock = self._lock_for(digest)
+        wait_s = remaining_s(deadline_at)
+        if not lock.acquire(timeout=-1 if wait_s is None else wait_s):
+            raise _late("waited for another job to load its adapter")
+        try:
             # Asked again: another job may have loaded it while this one waited for the lock.
-            if lora_id in self.registered() and lora_id in self._handed:
+            if lora_id in self.registered(deadline_at) and lora_id in self._handed:
                 return Resident(request, self._handed[lora_id])
             if fetched.loaded_digest is None:
-                loaded, timings.verify = self._cache.verify(digest)
+                loaded = self._verify_or_fetch_again(digest, timings, deadline_at)
             else:
                 loaded = fetched.loaded_digest
             if loaded != digest:
                 raise AdapterIntegrityError(f"Files for {digest} hash to {loaded}; refused.")
             start = time.perf_counter()
-            self._host.run(self._host.engine.add_lora(request))
+            try:
+                self._host.run(self._host.engine.add_lora(request), remaining_s(deadline_at))
+            except TimeoutError:
+                raise _late("waited for the engine to load its adapter") from None
             timings.engine_load = round((time.perf_counter() - start) * 1000, 3)
             self._handed[lora_id] = loaded
             # The engine's CPU cache makes room by dropping its least recently used adapter.
-            dropped = registered - self.registered()
+            dropped = registered - self.registered(deadline_at)
             if dropped:
                 metrics.EVICTIONS.labels("cpu").inc(len(dropped))
+        finally:
+            lock.release()
         return Resident(request, loaded)
+
+    def _verify_or_fetch_again(
+        self, digest: str, timings: LoadTimings, deadline_at: float | None
+    ) -> str:
+        """The digest of the cached files, re-hashed. Files that no longer match (or that
+        another job quarantined meanwhile) are fetched again from the store, verified as
+        they stream; the store's copy failing too fails the job ``adapter_integrity``."""
+        try:
+            loaded, timings.verify = self._cache.verify(digest)
+            return loaded
+        except AdapterIntegrityError as mismatch:
+            log.error("%s; fetching it again", mismatch.message)
+        fetched = self._cache.ensure(digest, deadline_at)
+        timings.fetch, timings.verify = fetched.fetch_ms, fetched.verify_ms
+        if fetched.loaded_digest is not None:
+            return fetched.loaded_digest
+        loaded, timings.verify = self._cache.verify(digest)
+        return loaded
 
     def pin(self, alias: str, digest: str) -> Resident:
         """Load ``digest`` into a GPU slot for good (the caller keeps it held on disk)."""

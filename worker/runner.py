@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +33,20 @@ from contracts.jobs import (
 from contracts.registry import BaseModelRef
 from worker import metrics
 from worker.adapter_cache import AdapterCache
-from worker.engine import ENGINE_NAME, ENGINE_VERSION, EngineHost
-from worker.errors import AdapterIntegrityError, JobFailure
+from worker.engine import ENGINE_NAME, ENGINE_VERSION, EngineFailed, EngineHost
+from worker.errors import (
+    AdapterIntegrityError,
+    JobFailure,
+    JobStopped,
+    StopReason,
+    StoreUnreachable,
+)
 from worker.inflight import Running
 from worker.residency import EngineAdapters, Resident
-from worker.streams import DeltaPublisher
+from worker.streams import DeltaPublisher, StreamFenced
+
+STREAM_FLUSH_S = 60.0
+"""How long a finished streaming job waits for Redis to take the rest of its text."""
 
 
 @dataclass(frozen=True)
@@ -70,8 +81,13 @@ class JobRunner:
     """Turns a ``JobMessage`` into a result plus observed metadata, or raises ``JobFailure``.
 
     A failure carries the metadata observed up to the point of failure (``metadata``). A job
-    stopped through its ``Running`` handle (cancelled, or given back by a draining worker)
-    raises ``JobStopped`` at the next step, or at once if it is generating.
+    stopped through its ``Running`` handle (cancelled, given back by a draining worker, its
+    lease lost) raises ``JobStopped`` at the next step, or at once if it is generating; so
+    does every job once the engine failed (``StopReason.ENGINE_FAILED``).
+
+    A job on its last chance (the engine died under it as often as it may, but once) runs
+    alone among such jobs: if it is the one that kills engines it is stopped by the next
+    death, and no other job that happened to share a batch with it twice is stopped with it.
     """
 
     def __init__(
@@ -91,6 +107,7 @@ class JobRunner:
         self._hostname = hostname
         self._aborts = 0
         self._aborts_lock = threading.Lock()
+        self._last_chance = asyncio.Lock()
 
     @property
     def aborted_requests(self) -> int:
@@ -103,7 +120,7 @@ class JobRunner:
             self._aborts += 1
 
     def run(
-        self, message: JobMessage, running: Running, attempt: int
+        self, message: JobMessage, running: Running, last_chance: bool = False
     ) -> tuple[JobResult, ResultMetadata]:
         started = time.time()
         timings = LoadTimings()
@@ -118,11 +135,11 @@ class JobRunner:
                     f"but this worker serves {self._base_model.digest}.",
                 )
             with self._cache.hold(message.revision):
-                registered = self._adapters.registered()
+                registered = self._adapters.registered(message.deadline_at)
                 metrics.RESIDENT.labels("cpu").set(len(registered))
                 residency = self._adapters.observe(message.revision, registered)
                 resident = self._adapters.make_resident(
-                    message.adapter, message.revision, timings, registered
+                    message.adapter, message.revision, timings, registered, message.deadline_at
                 )
                 if resident.loaded_digest != message.revision:
                     # Fail closed: the engine holds something other than the admitted revision.
@@ -132,7 +149,9 @@ class JobRunner:
                     )
                 running.check()
                 _check_deadline(message, "waited for its adapter")
-                generation = self._generate_unless_stopped(message, resident, running, attempt)
+                generation = self._generate_unless_stopped(message, resident, running, last_chance)
+        except EngineFailed:
+            raise JobStopped(StopReason.ENGINE_FAILED) from None
         except JobFailure as failure:
             failure.metadata = self._metadata(message, started, residency, timings, None, None)
             raise
@@ -166,18 +185,40 @@ class JobRunner:
         )
 
     def _generate_unless_stopped(
-        self, message: JobMessage, resident: Resident, running: Running, attempt: int
+        self, message: JobMessage, resident: Resident, running: Running, last_chance: bool
     ) -> Generation:
-        future = self._host.submit(self._generate_by_deadline(message, resident, attempt))
+        future = self._host.submit(
+            self._generate_by_deadline(message, resident, running, last_chance)
+        )
         with running.generating(future):
             try:
-                return future.result()
+                generation = self._host.result(future)
             except (concurrent.futures.CancelledError, asyncio.CancelledError):
-                running.check()  # raises JobStopped: the only reason this future is cancelled
+                self._deltas.discard(message.job_id, running.attempt)
+                running.check()  # raises JobStopped: the only other reason it is cancelled
                 raise
+            except BaseException:
+                self._deltas.discard(message.job_id, running.attempt)
+                raise
+        if message.stream:
+            try:
+                self._deltas.flush(message.job_id, running.attempt, STREAM_FLUSH_S)
+            except StreamFenced:
+                raise JobStopped(StopReason.LEASE_LOST) from None
+            except TimeoutError as exc:
+                raise StoreUnreachable(str(exc)) from exc
+        return generation
+
+    @contextlib.asynccontextmanager
+    async def _alone_if_last_chance(self, last_chance: bool) -> AsyncIterator[None]:
+        if not last_chance:
+            yield
+            return
+        async with self._last_chance:
+            yield
 
     async def _generate_by_deadline(
-        self, message: JobMessage, resident: Resident, attempt: int
+        self, message: JobMessage, resident: Resident, running: Running, last_chance: bool
     ) -> Generation:
         """Wait for a GPU adapter slot, then generate, but no later than the job's deadline:
         past it (or when the job is cancelled) the engine request is aborted (cancelling
@@ -186,9 +227,12 @@ class JobRunner:
 
         async def slotted() -> Generation:
             nonlocal generating
-            async with self._adapters.slot(resident.request):
-                generating = True
-                return await self._generate(message, resident.request, attempt)
+            async with (
+                self._alone_if_last_chance(last_chance),
+                self._adapters.slot(resident.request),
+            ):
+                generating = running.in_engine = True
+                return await self._generate(message, resident.request, running.attempt)
 
         try:
             return await asyncio.wait_for(slotted(), timeout=message.deadline_at - time.time())
@@ -230,7 +274,7 @@ class JobRunner:
             token_ids.extend(completion.token_ids)
             text.append(completion.text)
             if message.stream and completion.text:
-                await self._deltas.publish(message.job_id, attempt, completion.text)
+                self._deltas.publish(message.job_id, attempt, completion.text)
         if final is None:
             raise RuntimeError(f"the engine returned no output for {request_id}")
         # The engine's own measurement (arrival to first token), not a guess from here.

@@ -1,4 +1,11 @@
-"""Everything one worker process holds: engine, adapter cache, runner, job store, heartbeat."""
+"""Everything one worker process holds: engine, adapter cache, runner, job store, heartbeat.
+
+A worker whose engine fails (its core died, or it stopped answering: ``worker.watchdog``)
+must not keep taking jobs from a shared queue and failing them in milliseconds. It stops
+consuming, hands every job it holds back to its queue (running ones uncounted, unstarted
+ones untouched), withdraws its readiness, reports the failure, and exits with
+``EXIT_ENGINE_FAILED`` so that its orchestrator restarts it.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +15,18 @@ import os
 import socket
 import threading
 import time
+import uuid
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import boto3
+import sentry_sdk
 from botocore.config import Config
+from celery.worker import state as celery_state
 
 from contracts.digests import manifest_of
-from contracts.jobs import LoadTimings
+from contracts.jobs import JobMessage, LoadTimings
 from contracts.keys import WORKERS_INDEX, held_key, worker_key
 from contracts.redis_policy import sync_client
 from contracts.registry import AdapterRecord, BaseModelRef
@@ -24,18 +35,34 @@ from worker.adapter_cache import AdapterCache
 from worker.background import Background
 from worker.cancels import CancelWatcher
 from worker.config import WorkerSettings
-from worker.engine import ENGINE_VERSION, EngineHost, EngineOptions
+from worker.engine import ENGINE_VERSION, EngineFailed, EngineHost, EngineOptions
 from worker.errors import JobFailure, StopReason
 from worker.held import HeldDeliveries
 from worker.inflight import InFlight
 from worker.job_store import JobStore
+from worker.leases import LeaseKeeper
 from worker.reaper import Reaper
 from worker.registry import preload_sets
 from worker.residency import EngineAdapters
 from worker.runner import JobRunner
 from worker.streams import DeltaPublisher
+from worker.sweeper import DeadlineSweeper
+from worker.watchdog import EngineWatch
 
 log = logging.getLogger(__name__)
+
+EXIT_ENGINE_FAILED = 75
+"""Exit status of a worker whose engine failed (``EX_TEMPFAIL``: restart me)."""
+
+STOP_CONSUMING_S = 5.0
+"""How long the consumer thread gets to cancel its queues before jobs are handed back anyway
+(it runs pending operations between waits for messages of up to 2 s)."""
+
+
+def new_worker_id(hostname: str) -> str:
+    """``host:pid:boot``. The boot id tells a restarted process from its predecessor: in a
+    container restarted in its pod, host and pid (1) are the same again."""
+    return f"{hostname}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def base_model_ref(model: str) -> BaseModelRef:
@@ -67,12 +94,11 @@ class WorkerRuntime:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.hostname = socket.gethostname()
-        # Several workers may share a host: the announcement key needs the pid too.
-        self.worker_id = f"{self.hostname}:{os.getpid()}"
+        self.worker_id = new_worker_id(self.hostname)
         self.redis = sync_client(
             settings.redis_url, settings.redis_max_connections, decode_responses=True
         )
-        self.jobs = JobStore(self.redis, settings.job_ttl_s)
+        self.jobs = JobStore(self.redis, settings.job_ttl_s, self.worker_id, settings.lease_ttl_s)
         self.cache = AdapterCache(
             settings.cache_dir,
             s3_client(settings),
@@ -83,14 +109,11 @@ class WorkerRuntime:
         )
         self.base_model = base_model_ref(settings.model)
         self.host = EngineHost(EngineOptions.from_settings(settings))
+        self.host.on_failure(self._engine_failed)
         self.adapters = EngineAdapters(self.host, self.cache, settings.max_loras)
+        self.deltas = DeltaPublisher(self.redis, self.worker_id, self.jobs.note_outage)
         self.runner = JobRunner(
-            self.host,
-            self.cache,
-            self.adapters,
-            self.base_model,
-            self.hostname,
-            DeltaPublisher(self.redis),
+            self.host, self.cache, self.adapters, self.base_model, self.hostname, self.deltas
         )
         self.inflight = InFlight()
         self.held = HeldDeliveries(self.redis, self.worker_id)
@@ -99,6 +122,32 @@ class WorkerRuntime:
         self.reaper = Reaper(
             self.redis, settings.effective_broker_url, self.worker_id, settings.restore_interval_s
         )
+        self.leases = LeaseKeeper(
+            self.redis,
+            self.worker_id,
+            self.inflight,
+            settings.lease_ttl_s,
+            settings.lease_refresh_s,
+            self.jobs.note_outage,
+        )
+        self.watch = EngineWatch(
+            self.host,
+            settings.engine_check_s,
+            settings.engine_probe_s,
+            settings.engine_probe_timeout_s,
+        )
+        self.sweeper = DeadlineSweeper(
+            self.redis,
+            self.jobs,
+            self.worker_id,
+            settings.sweep_interval_s,
+            settings.sweep_grace_s,
+        )
+        self._consumer: Any = None
+        self._announced = False
+        self._draining = False
+        self._consuming_stopped = threading.Event()
+        self._deadline_warned_at = -float("inf")
         self._drain_timer: threading.Timer | None = None
         self.pinned: list[str] = []
         self.warm_preloaded: list[str] = []
@@ -110,6 +159,7 @@ class WorkerRuntime:
     def start(self) -> None:
         """Check the slot budget, start the engine, preload hot and warm adapters."""
         self.held.start()
+        self.deltas.start()
         hot, warm = preload_sets(self.redis, self.base_model.digest)
         if len(hot) >= self.settings.max_loras:
             raise RuntimeError(
@@ -126,18 +176,121 @@ class WorkerRuntime:
         card, tokenizer_json = model_card.describe(self.host.engine, self.base_model)
         model_card.publish(self.redis, card, tokenizer_json)
         self._preload(hot, warm)
+        self.watch.start()
 
-    def announce(self) -> None:
-        """Tell the fleet this worker consumes jobs; refreshed until ``close``."""
-        self.metrics_port = metrics.serve(self.settings.metrics_port)
+    def announce(self, consumer: Any) -> None:
+        """Tell the fleet this worker consumes jobs (``consumer``: Celery's, now running);
+        refreshed until ``close``."""
+        self._consumer = consumer
+        self.metrics_port = metrics.serve(self.settings.metrics_port, self.ready, self.live)
         log.info("metrics on port %d", self.metrics_port)
+        self._announced = True
         self._announce()
         self._heartbeat.start()
         self.cancels.start()
         self.reaper.start()
+        self.leases.start()
+        self.sweeper.start()
+
+    def ready(self) -> bool:
+        """Readiness: taking jobs (announced, not draining, engine serving)."""
+        return self._announced and not self._draining and not self.failed
+
+    def live(self) -> bool:
+        """Liveness: false once the engine failed (the worker is on its way out)."""
+        return not self.failed
+
+    @property
+    def failed(self) -> bool:
+        """The engine failed: nothing more runs here."""
+        return self.host.failure is not None
+
+    def received(self, request: Any) -> None:
+        """In the consumer thread, as a message arrives: record the delivery, and give the
+        task its delivery tag (Celery's task context carries no tag of its own)."""
+        tag = str(request.message.delivery_tag)
+        request.delivery_info["delivery_tag"] = tag
+        self.held.received(tag, request.id)
+
+    def check_deadline_span(self, message: JobMessage) -> None:
+        """Say loudly when a job's deadline outlasts what this worker's visibility timeout
+        covers: Redis would then hand it to a second worker while it runs (that delivery
+        waits for the lease, but the settings are wrong)."""
+        span = message.deadline_at - message.accepted_at
+        if span <= self.settings.safe_deadline_s:
+            return
+        metrics.DEADLINE_BEYOND_VISIBILITY.inc()
+        if time.monotonic() - self._deadline_warned_at > 60:
+            self._deadline_warned_at = time.monotonic()
+            log.error(
+                "job %s has a %.0f s deadline but LORAFLEET_VISIBILITY_TIMEOUT_S=%d covers %.0f "
+                "s (timeout - heartbeat expiry - restore interval): raise the visibility "
+                "timeout above the gateway's LORAFLEET_JOB_DEADLINE_S + %d s",
+                message.job_id,
+                span,
+                self.settings.visibility_timeout_s,
+                self.settings.safe_deadline_s,
+                self.settings.announcement_ttl_s + round(self.settings.restore_interval_s),
+            )
+
+    def _engine_failed(self, reason: str) -> None:
+        """The engine failed (called once, from whichever thread saw it first)."""
+        metrics.ENGINE_FAILURES.inc()
+        if self._draining:
+            # Shutting down: a signal to the whole process group stops the engine core too.
+            log.warning("engine stopped during shutdown: %s", reason)
+        else:
+            with sentry_sdk.new_scope() as scope:
+                scope.set_tag("worker", self.worker_id)
+                sentry_sdk.capture_message(f"engine failed: {reason}", level="fatal")
+        self.inflight.stop_all(StopReason.ENGINE_FAILED)
+        threading.Thread(target=self._leave, name="engine-failed", daemon=True).start()
+
+    def _leave(self) -> None:
+        """Stop consuming, let every job hand itself back, then exit non-zero."""
+        self._stop_consuming()
+        try:
+            self._announce()  # the fleet sees the failure at once, before the record goes
+        except Exception as exc:
+            log.warning("could not announce the engine failure: %s", exc)
+        bound = time.monotonic() + self.settings.engine_failure_exit_s / 2
+        while len(self.inflight) and time.monotonic() < bound:
+            time.sleep(0.05)
+        log.critical(
+            "engine failed; %d job(s) still running; exiting with %d",
+            len(self.inflight),
+            EXIT_ENGINE_FAILED,
+        )
+        # Celery's own warm shutdown: it waits for the pool, whose tasks hand their jobs back.
+        celery_state.should_stop = EXIT_ENGINE_FAILED
+        backstop = threading.Timer(
+            self.settings.engine_failure_exit_s / 2, os._exit, args=(EXIT_ENGINE_FAILED,)
+        )
+        backstop.daemon = True
+        backstop.start()
+
+    def _stop_consuming(self) -> None:
+        consumer = self._consumer
+
+        def cancel_queues() -> None:
+            for queue in list(consumer.task_consumer.queues):
+                consumer.cancel_task_queue(queue.name)
+            self._consuming_stopped.set()
+
+        if consumer is not None:
+            # Consumer state belongs to the consumer thread: it runs this between its waits.
+            consumer.call_soon(cancel_queues)
+            if not self._consuming_stopped.wait(STOP_CONSUMING_S):
+                log.error("the consumer did not stop within %.0f s", STOP_CONSUMING_S)
+        self._consuming_stopped.set()
+
+    def consumption_stopped(self, timeout_s: float) -> bool:
+        """Wait until this worker takes no more jobs (its engine failed)."""
+        return self._consuming_stopped.wait(timeout_s)
 
     def begin_drain(self) -> None:
         """Shutdown began: running jobs get ``drain_timeout_s``, then are handed back."""
+        self._draining = True
         if self._drain_timer is not None:
             return
         log.info(
@@ -178,9 +331,14 @@ class WorkerRuntime:
         log.info("pinned %s; warm preloaded %s", self.pinned, self.warm_preloaded)
 
     def _announce(self) -> None:
+        state = "failed" if self.failed else "draining" if self._draining else "serving"
         record = {
             "worker_id": self.worker_id,
             "hostname": self.hostname,
+            "pid": os.getpid(),
+            # The Celery node name up to the '@' (``worker`` of ``worker@host``).
+            "node": str(getattr(self._consumer, "hostname", "")).split("@", 1)[0],
+            "state": state,
             "base_model": self.base_model.model_dump(),
             "engine_version": ENGINE_VERSION,
             "max_loras": self.settings.max_loras,
@@ -208,7 +366,7 @@ class WorkerRuntime:
         # (a late heartbeat makes the fleet think this worker died).
         try:
             return self.host.unfinished_requests(timeout_s=min(1.0, self.settings.heartbeat_s))
-        except TimeoutError:
+        except (TimeoutError, EngineFailed):
             return None
 
     def _beat(self, stopping: threading.Event) -> None:
@@ -216,6 +374,7 @@ class WorkerRuntime:
             try:
                 self._announce()
             except Exception as exc:  # a Redis outage must not kill the heartbeat thread
+                self.jobs.note_outage()
                 log.warning("heartbeat failed: %s", exc)
 
     def close(self) -> None:
@@ -223,8 +382,12 @@ class WorkerRuntime:
         self._heartbeat.close()
         if self._drain_timer is not None:
             self._drain_timer.cancel()
+        self.watch.close()
+        self.sweeper.close()
+        self.leases.close()
         self.cancels.close()
         self.reaper.close()
+        self.deltas.close()
         self.held.close()
         try:
             # Anything still held was handed back by the drain or by kombu at shutdown.

@@ -1,33 +1,132 @@
 """Text deltas of streaming jobs, appended to a Redis stream per job as they are produced.
 
-Entries carry the attempt number: after a crash and redelivery the new attempt streams from
-the start again, and the reader (the gateway) skips what it already sent. The stream expires
+Entries carry the execution that wrote them (its lease value, ``worker id|attempt``, unique
+even when an attempt handed back uncounted is run again under the same number): after a
+crash and redelivery the new execution streams from the start again, and the reader (the
+gateway) skips what it already sent. The stream expires
 ``STREAM_TTL_S`` after its last entry; the job record keeps the full result regardless.
+
+The engine loop hands each delta over without waiting (``publish``); one writer thread
+appends whatever accumulated, per job coalesced into one entry, for every job in one script
+call (``contracts.job_records.APPEND_DELTAS``), which refuses text from an attempt that no
+longer holds its job's lease. A Redis outage delays text, never drops or reorders it: the
+writer retries. ``flush`` waits until a job's text is all written, so the stream is complete
+before the outcome is stored (readers rely on that).
 """
 
 from __future__ import annotations
 
-import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
 
 from redis import Redis
+from redis.exceptions import RedisError
 
-from contracts.keys import stream_key
+from contracts.job_records import APPEND_DELTAS, append_call, lease_value
+from worker.background import Background
+
+log = logging.getLogger(__name__)
 
 STREAM_TTL_S = 3600
+RETRY_S = 0.2
+
+_Attempt = tuple[str, int]  # (job id, attempt number)
+
+
+class StreamFenced(Exception):
+    """The attempt lost its job's lease: its text was refused (another attempt owns it)."""
 
 
 class DeltaPublisher:
-    def __init__(self, redis: Redis) -> None:
+    def __init__(
+        self, redis: Redis, worker_id: str, on_outage: Callable[[], None] = lambda: None
+    ) -> None:
         self._redis = redis
+        self._worker_id = worker_id
+        self._on_outage = on_outage
+        self._append = redis.register_script(APPEND_DELTAS)
+        self._cond = threading.Condition()
+        self._pending: dict[_Attempt, list[str]] = {}
+        self._writing: set[_Attempt] = set()
+        self._fenced: set[_Attempt] = set()
+        self._writer = Background("stream-writer", self._run, join_timeout_s=5)
 
-    def _append(self, job_id: str, attempt: int, text: str) -> None:
-        key = stream_key(job_id)
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.xadd(key, {"attempt": attempt, "text": text})
-        pipe.expire(key, STREAM_TTL_S)
-        pipe.execute()
+    def start(self) -> None:
+        self._writer.start()
 
-    async def publish(self, job_id: str, attempt: int, text: str) -> None:
-        """Append one delta; off the engine loop's thread (a Redis round trip must not stall
-        the loop every other request is generating on)."""
-        await asyncio.to_thread(self._append, job_id, attempt, text)
+    def close(self) -> None:
+        with self._cond:
+            self._writer.stopping.set()
+            self._cond.notify_all()
+        self._writer.close()
+
+    def publish(self, job_id: str, attempt: int, text: str) -> None:
+        """Queue one delta of ``attempt`` (called on the engine loop: never blocks on Redis)."""
+        with self._cond:
+            self._pending.setdefault((job_id, attempt), []).append(text)
+            self._cond.notify_all()
+
+    def flush(self, job_id: str, attempt: int, timeout_s: float) -> None:
+        """Wait until every delta published for ``attempt`` is in its stream.
+
+        Raises ``StreamFenced`` if the attempt lost its lease, ``TimeoutError`` if Redis did
+        not take the text within ``timeout_s``.
+        """
+        key = (job_id, attempt)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            try:
+                while key in self._pending or key in self._writing:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise TimeoutError(f"the stream of job {job_id} could not be written")
+                    self._cond.wait(remaining)
+                if key in self._fenced:
+                    raise StreamFenced(job_id)
+            finally:
+                self._fenced.discard(key)
+
+    def discard(self, job_id: str, attempt: int) -> None:
+        """Drop what ``attempt`` published and has not been written (the job was stopped)."""
+        with self._cond:
+            self._pending.pop((job_id, attempt), None)
+            self._fenced.discard((job_id, attempt))
+
+    def _run(self, stopping: threading.Event) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not stopping.is_set():
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                batch, self._pending = self._pending, {}
+                self._writing = set(batch)
+            try:
+                refused = self._write(batch)
+            except (RedisError, OSError) as exc:
+                self._on_outage()
+                log.warning("stream deltas not written (%s); retrying", exc)
+                with self._cond:
+                    # Older text first: what was published meanwhile follows it.
+                    for key, texts in self._pending.items():
+                        batch.setdefault(key, []).extend(texts)
+                    self._pending, self._writing = batch, set()
+                if stopping.wait(RETRY_S):
+                    return
+                continue
+            with self._cond:
+                self._fenced |= refused
+                self._writing = set()
+                self._cond.notify_all()
+
+    def _write(self, batch: dict[_Attempt, list[str]]) -> set[_Attempt]:
+        order = list(batch)
+        deltas = [
+            (job_id, lease_value(self._worker_id, attempt), "".join(texts))
+            for (job_id, attempt), texts in batch.items()
+        ]
+        keys, args = append_call(deltas, STREAM_TTL_S)
+        refused = self._append(keys=keys, args=args)
+        return {order[int(position) - 1] for position in refused or ()}

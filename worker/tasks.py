@@ -2,8 +2,9 @@
 
 Delivery is at least once (the message is acknowledged only after this function returns, so a
 worker that dies mid-job leaves it to be redelivered); effects are exactly once because every
-record change is a compare-and-set (``contracts.job_records``): the first terminal write wins and
-a later delivery of a finished job does nothing.
+record change is a compare-and-set (``contracts.job_records``): the first terminal write wins,
+a later delivery of a finished job does nothing, and a delivery of a job another attempt is
+running waits for that attempt's lease instead of running it twice.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from contracts.errors import ErrorBody, ErrorCode
-from contracts.jobs import JobMessage
+from contracts.jobs import JobMessage, JobPublic
 from contracts.queues import RUN_JOB_TASK
 from worker import metrics
 from worker.celery_app import app, runtime
-from worker.errors import JobFailure, JobStopped, StopReason
+from worker.errors import JobFailure, JobStopped, StopReason, StoreUnreachable
 from worker.job_store import ClaimOutcome
+from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -30,22 +32,31 @@ log = logging.getLogger(__name__)
 @app.task(name=RUN_JOB_TASK)
 def run_job(payload: dict[str, Any]) -> None:
     """Run one job; its outcome is written to the job record, never returned to Celery."""
+    rt = runtime()
     # From its receipt (``worker.held``) until the outcome is stored, if this worker dies,
     # another worker's reaper puts the message back on its queue.
+    delivery = str((run_job.request.delivery_info or {}).get("delivery_tag", ""))
     try:
-        _run(payload)
-    except (RedisError, OSError) as exc:
+        _run(rt, payload)
+    except (RedisError, StoreUnreachable) as exc:
         # Redis stayed unreachable longer than the job store waits: the outcome could not be
-        # stored. Back to the queue rather than acknowledged, so the job is not lost.
+        # stored. Back to the queue rather than acknowledged, so the job is not lost. (Only
+        # Redis: any other error was stored as the job's failure, and the job is done.)
         log.error("job record unreachable (%s); handing the job back", exc)
         raise Reject(f"job store unreachable: {exc}", requeue=True) from None
     finally:
         # The outcome is stored (or the job handed back): nothing for a reaper to restore.
-        runtime().held.finished(run_job.request.id)
+        rt.held.finished(delivery)
 
 
-def _run(payload: dict[str, Any]) -> None:
-    rt = runtime()
+def _hand_back(rt: WorkerRuntime, why: str) -> None:
+    """Back to the queue for another worker, once this one takes no more jobs (or it might
+    receive the same message again)."""
+    rt.consumption_stopped(timeout_s=rt.settings.engine_failure_exit_s)
+    raise Reject(why, requeue=True)
+
+
+def _run(rt: WorkerRuntime, payload: dict[str, Any]) -> None:
     try:
         message = JobMessage.model_validate(payload)
     except ValidationError as exc:
@@ -61,6 +72,8 @@ def _run(payload: dict[str, Any]) -> None:
             )
             rt.jobs.fail(job, body, None)
         return
+    if rt.failed:
+        _hand_back(rt, "this worker's engine failed")
     # Error reports name the job and the weights, never the prompt (contracts.telemetry).
     sentry_sdk.set_tags(
         {
@@ -70,23 +83,41 @@ def _run(payload: dict[str, Any]) -> None:
             "revision": message.revision,
         }
     )
-    claim = rt.jobs.claim(message.job_id, rt.worker_id, rt.settings.max_attempts)
+    rt.check_deadline_span(message)
+    claim = rt.jobs.claim(
+        message.job_id,
+        rt.settings.max_attempts,
+        wait_until=message.deadline_at + rt.settings.sweep_grace_s,
+        abandon=lambda: rt.failed,
+        rejoin_s=rt.settings.lease_rejoin_s,
+    )
+    metrics.DELIVERIES.labels(claim.outcome.value).inc()
     if claim.outcome == ClaimOutcome.EXHAUSTED:
         metrics.job_finished(message, "failed", ErrorCode.ATTEMPTS_EXHAUSTED, None)
+    if claim.outcome == ClaimOutcome.ABANDONED:
+        _hand_back(rt, "this worker's engine failed while the job waited for its lease")
     if claim.outcome != ClaimOutcome.RUN or claim.job is None:
         log.info("job %s not run: %s", message.job_id, claim.outcome.value)
         return
-    running = claim.job
-    with rt.inflight.track(message.job_id) as handle:
+    _attempt(rt, message, claim.job)
+
+
+def _attempt(rt: WorkerRuntime, message: JobMessage, running: JobPublic) -> None:
+    """Run the attempt just claimed and store its outcome (or hand the job back)."""
+    last_chance = 0 < running.engine_failures >= rt.settings.max_attempts - 1
+    with rt.inflight.track(message.job_id, running.attempts) as handle:
         try:
-            result, metadata = rt.runner.run(message, handle, running.attempts)
+            result, metadata = rt.runner.run(message, handle, last_chance)
         except JobStopped as stopped:
-            if stopped.reason == StopReason.CANCELLED:
-                log.info("job %s cancelled while running", message.job_id)
+            if stopped.reason in (StopReason.CANCELLED, StopReason.LEASE_LOST):
+                # Cancelled: the record says so. Lease lost: another attempt owns the job.
+                log.info("job %s stopped while running: %s", message.job_id, stopped.reason)
                 return
-            # Draining past the timeout: the job goes back to the queue for another worker.
-            released = rt.jobs.release(running)
-            log.warning("job %s handed back at shutdown (released=%s)", message.job_id, released)
+            under_it = stopped.reason == StopReason.ENGINE_FAILED and handle.in_engine
+            released = rt.jobs.release(running, engine_failed_under_it=under_it)
+            log.warning("job %s handed back: %s (released=%s)", message.job_id, stopped, released)
+            if stopped.reason == StopReason.ENGINE_FAILED:
+                _hand_back(rt, "this worker's engine failed")
             raise Reject("worker shutting down", requeue=True) from None
         except JobFailure as failure:
             log.warning("job %s failed: %s %s", message.job_id, failure.code, failure.message)
@@ -94,6 +125,8 @@ def _run(payload: dict[str, Any]) -> None:
             if rt.jobs.fail(running, body, failure.metadata):
                 metrics.job_finished(message, "failed", failure.code, failure.metadata)
             return
+        except (RedisError, StoreUnreachable):
+            raise
         except Exception as exc:
             log.exception("job %s crashed", message.job_id)
             body = ErrorBody(
@@ -102,6 +135,7 @@ def _run(payload: dict[str, Any]) -> None:
             )
             if rt.jobs.fail(running, body, None):
                 metrics.job_finished(message, "failed", ErrorCode.ENGINE_ERROR, None)
-            raise
+            sentry_sdk.capture_exception(exc)
+            return
     if rt.jobs.succeed(running, result, metadata):
         metrics.job_finished(message, "succeeded", None, metadata)

@@ -1,4 +1,4 @@
-"""Liveness and readiness probes (no authentication)."""
+"""Liveness and readiness probes (no authentication), and the metrics (an operator key)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
 from contracts.errors import ErrorCode
+from gateway.auth import MetricsReaderDep
 from gateway.deps import MetricsDep, RedisDep
-from gateway.errors import ApiError
+from gateway.errors import AUTHENTICATED, ApiError, responses
 
 router = APIRouter(tags=["health"])
 
@@ -28,9 +29,13 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/metrics", response_class=Response)
-async def metrics(redis: RedisDep, gateway_metrics: MetricsDep) -> Response:
-    """Prometheus text format; no key (serve it on the internal network only)."""
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses=responses(*AUTHENTICATED, ErrorCode.FORBIDDEN),
+)
+async def metrics(redis: RedisDep, gateway_metrics: MetricsDep, _: MetricsReaderDep) -> Response:
+    """Prometheus text format; an operator key, unless ``LORAFLEET_METRICS_PUBLIC``."""
     try:
         body = await gateway_metrics.render(redis)
     except (RedisError, OSError) as exc:

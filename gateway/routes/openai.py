@@ -8,21 +8,24 @@ the ``x-lorafleet-revision`` / ``x-lorafleet-job-id`` headers.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
 
 from contracts.errors import ErrorBody, ErrorCode
 from contracts.jobs import JobPublic, JobStatus, Sampling
+from gateway import job_store
 from gateway.auth import TenantDep
-from gateway.deps import RedisDep, SettingsDep, SubmitterDep, WaiterDep
+from gateway.deps import MetricsDep, RedisDep, SettingsDep, SubmitterDep, WaiterDep
 from gateway.errors import (
     ADMISSION,
     AUTHENTICATED,
@@ -53,6 +56,7 @@ from gateway.streams import StreamDiverged, follow
 from gateway.submit import Idempotency, Submission
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+log = logging.getLogger(__name__)
 
 _JOB_FAILED = (
     ErrorCode.DEADLINE_EXCEEDED,
@@ -113,15 +117,49 @@ def _card(name: str, created: float) -> ModelCard:
 class _Call:
     """What every completion request needs besides its body."""
 
+    request: Request
     tenant: TenantDep
     submitter: SubmitterDep
     redis: RedisDep
     waiter: WaiterDep
     settings: SettingsDep
+    metrics: MetricsDep
     idempotency_key: IdempotencyKeyHeader = None
 
 
 CallDep = Annotated[_Call, Depends()]
+
+CLIENT_CLOSED_REQUEST = 499
+_abandoning: set[asyncio.Task[None]] = set()  # strong references until each cancel is written
+
+
+def _abandon(call: _Call, job: JobPublic) -> None:
+    """The caller went away before its completion: cancel the job, as vLLM's server aborts a
+    request whose client disconnects (the engine stops generating for nobody). Runs on its
+    own: the request's task is being torn down."""
+
+    async def cancel() -> None:
+        try:
+            async with asyncio.timeout(call.settings.redis_timeout_s):
+                _, cancelled = await job_store.cancel_job(
+                    call.redis, job.id, call.tenant.name, call.settings.job_ttl_s
+                )
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("job %s: client gone, but the cancel was not written: %s", job.id, exc)
+            return
+        if cancelled:
+            call.metrics.job_cancelled(job.tier)
+            log.info("job %s cancelled: its client disconnected", job.id)
+
+    task = asyncio.get_running_loop().create_task(cancel())
+    _abandoning.add(task)
+    task.add_done_callback(_abandoning.discard)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed its connection (the body is read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @router.post("/completions", response_model=Completion, responses=_COMPLETION_ERRORS)
@@ -227,8 +265,22 @@ async def _complete(
         return StreamingResponse(
             events, media_type="text/event-stream", headers=_audit_headers(job)
         )
+    waiting = asyncio.ensure_future(
+        call.waiter.wait(call.redis, job.id, call.tenant.name, timeout_s)
+    )
+    gone = asyncio.ensure_future(_disconnected(call.request))
     try:
-        finished = await call.waiter.wait(call.redis, job.id, call.tenant.name, timeout_s)
+        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not waiting.done():
+            waiting.cancel()
+            _abandon(call, job)
+    if not waiting.done():
+        # Nobody to answer; 499 (nginx's "client closed request") only reaches access logs.
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    try:
+        finished = waiting.result()
     except (RedisError, OSError) as exc:
         raise unavailable(f"job {job.id}: the job store is unreachable", exc, _NOT_READ) from exc
     if finished is None or finished.status != JobStatus.SUCCEEDED:
@@ -300,4 +352,9 @@ async def _events(
         yield _error_event(
             unavailable(f"job {job.id}: the job store is unreachable", exc, _NOT_READ)
         )
+    except BaseException:
+        # Torn down before the job's end reached the caller: its client disconnected (the
+        # server cancels this generator) or closed the stream. Nobody reads on: cancel it.
+        _abandon(call, job)
+        raise
     yield _sse("[DONE]")

@@ -4,17 +4,22 @@ concurrency, refusals leave nothing behind, and nothing is admitted that was not
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
 from redis import Redis
 
-from contracts.keys import rate_key, tenant_ledger_key, tier_ledger_key
+from contracts import admission
+from contracts.keys import DEADLINES, rate_key, tenant_ledger_key, tier_ledger_key
 from contracts.queues import Tier, queue_for
 from contracts.registry import AdapterRecord
 from lorafleet.client import auth_headers
-from tests.sockets import hang, tcp_server
+from lorafleet.stack import LocalStack
+from tests.gateway.conftest import PRIVATE_DB
+from tests.sockets import hang, slow_replies, tcp_server
 
 
 def _cold(published: dict[str, AdapterRecord]) -> str:
@@ -150,6 +155,47 @@ def test_queue_unreachable_is_503_and_leaves_no_ledger_entry_record_or_token(
         "queued": 0,
     }
     assert float(private_redis.hget(rate_key("acme"), "tokens") or 0) > 1  # type: ignore[arg-type]
+
+
+def test_admission_whose_reply_outlasts_the_bound_is_503_and_leaves_nothing(
+    private_gateway: Callable[..., Any],
+    tenant_key: Callable[..., str],
+    private_redis: Redis,
+    stack: LocalStack,
+    published: dict[str, AdapterRecord],
+) -> None:
+    """The admission script runs in Redis, but its answer comes after the request's bound:
+    the caller gets 503, so the record, the ledger slots and the token must not stay."""
+    key = tenant_key("late", rate_per_s=0.01, burst=2)
+    redis_port = int(stack.redis_url.rsplit(":", 1)[1].split("/")[0])
+    admit_sha = hashlib.sha1(admission.ADMIT.encode()).hexdigest().encode()
+    with slow_replies(redis_port, [admit_sha], delay_s=1.5) as port:
+        proxied = f"redis://127.0.0.1:{port}/{PRIVATE_DB}"
+        with (
+            private_gateway(redis_url=proxied, redis_timeout_s=0.5) as url,
+            httpx.Client(base_url=url, headers=auth_headers(key), timeout=20) as http,
+        ):
+            response = http.post("/v1/jobs", json=_job(_cold(published)))
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["code"] == "service_unavailable"
+            # The late answer arrives, the admission completes, and is withdrawn.
+            deadline = time.monotonic() + 20
+            while _state(private_redis, "late")["tenant_ledger"] or not private_redis.exists(
+                rate_key("late")
+            ):
+                assert time.monotonic() < deadline, _state(private_redis, "late")
+                time.sleep(0.1)
+            time.sleep(2)  # past the publish that followed the late admission
+    state = _state(private_redis, "late")
+    assert {name: state[name] for name in ("records", "tier_ledger", "tenant_ledger")} == {
+        "records": 0,
+        "tier_ledger": 0,
+        "tenant_ledger": 0,
+    }
+    # A message published before the withdrawal has no record: a worker drops it.
+    assert state["queued"] in (0, 1)
+    assert private_redis.zcard(DEADLINES) == 0
+    assert float(private_redis.hget(rate_key("late"), "tokens") or 0) > 1  # type: ignore[arg-type]
 
 
 def test_redis_hung_is_503_with_retry_after_within_the_bound(

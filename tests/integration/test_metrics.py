@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import httpx
@@ -11,13 +12,23 @@ from redis import Redis
 from contracts import metrics as names
 from contracts.queues import Tier
 from contracts.registry import AdapterRecord
+from gateway.config import GatewaySettings
+from lorafleet.client import auth_headers
+from lorafleet.stack import LocalStack
+from lorafleet.tenants import Tenants
+from tests.gateway.conftest import serving
 from tests.helpers import run_jobs, worker_heartbeat
 
 Sample = tuple[str, tuple[tuple[str, str], ...]]
 
 
-def _scrape(url: str) -> dict[Sample, float]:
-    response = httpx.get(url, timeout=30)
+def _operator_key(redis: Redis) -> str:
+    _, key = Tenants(redis).create(f"scraper-{time.monotonic_ns()}", operator=True)
+    return key
+
+
+def _scrape(url: str, key: str | None = None) -> dict[Sample, float]:
+    response = httpx.get(url, timeout=30, headers=auth_headers(key) if key else None)
     assert response.status_code == 200
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
@@ -38,14 +49,15 @@ def test_metrics_count_a_mixed_workload(
     api: httpx.Client, gateway_url: str, redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
     worker_url = f"http://127.0.0.1:{worker_heartbeat(redis)['metrics_port']}/metrics"
-    gateway_before, worker_before = _scrape(f"{gateway_url}/metrics"), _scrape(worker_url)
+    key = _operator_key(redis)
+    gateway_before, worker_before = _scrape(f"{gateway_url}/metrics", key), _scrape(worker_url)
 
     by_tier = {tier: [r.alias for r in published.values() if r.tier == tier] for tier in Tier}
     work = [(alias, "Extract the total") for tier in Tier for alias in by_tier[tier][:3]]
     jobs = run_jobs(api, work, {"max_tokens": 4, "temperature": 0.0})
     refused = api.post("/v1/jobs", json={"adapter": "no-such-adapter", "prompt": "hi"})
     assert refused.status_code == 404
-    gateway_after, worker_after = _scrape(f"{gateway_url}/metrics"), _scrape(worker_url)
+    gateway_after, worker_after = _scrape(f"{gateway_url}/metrics", key), _scrape(worker_url)
 
     tiers = Counter(published[alias].tier.value for alias, _ in work)
     for tier, count in tiers.items():
@@ -82,3 +94,23 @@ def test_metrics_count_a_mixed_workload(
     # The engine's own gauges are served alongside.
     assert any(name == "vllm:num_requests_running" for name, _ in worker_after)
     assert any(name == "vllm:kv_cache_usage_perc" for name, _ in worker_after)
+
+
+def test_gateway_metrics_take_an_operator_key_unless_public(
+    api: httpx.Client, gateway_url: str, redis: Redis, stack: LocalStack
+) -> None:
+    anonymous = httpx.get(f"{gateway_url}/metrics", timeout=30)
+    assert anonymous.status_code == 401
+    assert anonymous.json()["error"]["code"] == "unauthorized"
+    tenant = api.get("/metrics")  # the dev tenant: a key, but not an operator's
+    assert tenant.status_code == 403
+    assert tenant.json()["error"]["code"] == "forbidden"
+    operator = httpx.get(
+        f"{gateway_url}/metrics", headers=auth_headers(_operator_key(redis)), timeout=30
+    )
+    assert operator.status_code == 200
+    assert names.JOBS_ADMITTED in operator.text
+    with serving(GatewaySettings(redis_url=stack.redis_url, metrics_public=True)) as public:
+        scraped = httpx.get(f"{public}/metrics", timeout=30)
+    assert scraped.status_code == 200
+    assert names.JOBS_ADMITTED in scraped.text

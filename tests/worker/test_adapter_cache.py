@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -11,12 +12,13 @@ import pytest
 from urllib3.exceptions import ProtocolError
 
 from contracts.digests import manifest_of
+from contracts.errors import ErrorCode
 from contracts.storage import blob_key
 from lorafleet.publish import upload_artifact
 from lorafleet.stack import LocalStack
 from lorafleet.validation import ADAPTER_FILES
 from worker.adapter_cache import AdapterCache
-from worker.errors import AdapterIntegrityError, AdapterUnavailableError
+from worker.errors import AdapterIntegrityError, AdapterUnavailableError, JobFailure
 
 BOUND = 10 * 1024 * 1024
 
@@ -131,7 +133,7 @@ def test_unreachable_store_is_adapter_unavailable(tmp_path: Path) -> None:
     assert _leftovers(tmp_path / "cache") == []
 
 
-def test_tampered_disk_copy_is_removed_on_verify(
+def test_tampered_disk_copy_is_quarantined_on_verify(
     infra: LocalStack, s3: Any, tmp_path: Path
 ) -> None:
     bucket = infra.settings.s3_bucket
@@ -142,6 +144,103 @@ def test_tampered_disk_copy_is_removed_on_verify(
     with pytest.raises(AdapterIntegrityError):
         cache.verify(digest)
     assert not cache.has(digest)
+    assert not path.exists()
+    assert list((tmp_path / "cache" / "quarantine").iterdir()) == []  # nobody held it
+
+
+def test_quarantined_entry_is_deleted_only_when_its_last_holder_lets_go(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    """Two jobs hold an adapter; its disk copy rots. The job that notices must not delete
+    files the other one was handed: they are moved aside, new jobs fetch a fresh verified
+    copy, and the bad one goes once both jobs are done."""
+    bucket = infra.settings.s3_bucket
+    digest = _publish(s3, bucket, _artifact(tmp_path, "rot", b"rot-weights" * 100))
+    counting = CountingS3(s3)
+    cache = AdapterCache(tmp_path / "cache", counting, bucket, max_bytes=BOUND)
+    quarantine = tmp_path / "cache" / "quarantine"
+    with cache.hold(digest), cache.hold(digest):
+        path = cache.ensure(digest).path
+        (path / "adapter_model.safetensors").write_bytes(b"rotten")
+        with pytest.raises(AdapterIntegrityError) as caught:
+            cache.verify(digest)
+        assert "quarantined" in caught.value.message
+        assert not cache.has(digest)
+        (kept,) = quarantine.iterdir()
+        assert (kept / "adapter_model.safetensors").read_bytes() == b"rotten"
+        fresh = cache.ensure(digest)  # a new job: downloaded again, verified as it streamed
+        assert fresh.loaded_digest == digest
+        assert cache.verify(digest)[0] == digest
+        weights = manifest_of(tmp_path / "rot", ADAPTER_FILES).files[1]
+        assert counting.gets[blob_key(weights.sha256)] == 2
+        assert kept.exists()
+    assert list(quarantine.iterdir()) == []
+    assert cache.has(digest)
+
+
+def test_waiting_for_disk_space_ends_at_the_job_deadline(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    bucket = infra.settings.s3_bucket
+    first = _publish(s3, bucket, _artifact(tmp_path, "holds", b"h" * 40_000))
+    second = _publish(s3, bucket, _artifact(tmp_path, "late", b"l" * 40_000))
+    size = manifest_of(tmp_path / "holds", ADAPTER_FILES).size_bytes
+    cache = AdapterCache(tmp_path / "cache", s3, bucket, max_bytes=size + 10, wait_s=600)
+    with cache.hold(first):
+        cache.ensure(first)
+        with pytest.raises(JobFailure) as caught:
+            cache.ensure(second, deadline_at=time.time() + 0.5)
+    assert caught.value.code == ErrorCode.DEADLINE_EXCEEDED
+    assert "disk cache space" in caught.value.message
+    assert not cache.has(second)
+    assert list((tmp_path / "cache" / "tmp").iterdir()) == []
+    assert not cache.path_for(second).exists()
+
+
+def test_waiting_for_another_jobs_download_ends_at_the_job_deadline(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    bucket = infra.settings.s3_bucket
+    digest = _publish(s3, bucket, _artifact(tmp_path, "slow", b"s" * 1000))
+    cache = AdapterCache(tmp_path / "cache", s3, bucket, max_bytes=BOUND)
+    # Another job's download of it is under way (it holds the digest's lock).
+    with cache._lock_for(digest), pytest.raises(JobFailure) as caught:
+        cache.ensure(digest, deadline_at=time.time() + 0.3)
+    assert caught.value.code == ErrorCode.DEADLINE_EXCEEDED
+    assert cache.ensure(digest).loaded_digest == digest
+
+
+def test_stray_directory_where_an_entry_goes_is_replaced_not_trusted(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    """Left by a process that shared the cache directory, or by a crash: a directory already
+    where the verified download is renamed to. It is not ours; it is not trusted."""
+    bucket = infra.settings.s3_bucket
+    digest = _publish(s3, bucket, _artifact(tmp_path, "stray", b"real" * 500))
+    cache = AdapterCache(tmp_path / "cache", s3, bucket, max_bytes=BOUND)
+    stray = cache.path_for(digest)
+    stray.mkdir()
+    (stray / "adapter_model.safetensors").write_bytes(b"not these")
+    fetched = cache.ensure(digest)
+    assert fetched.loaded_digest == digest
+    assert cache.verify(digest)[0] == digest
+    assert list((tmp_path / "cache" / "quarantine").iterdir()) == []
+
+
+def test_a_cache_that_cannot_be_written_fails_the_download_cleanly(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    bucket = infra.settings.s3_bucket
+    digest = _publish(s3, bucket, _artifact(tmp_path, "ro", b"x" * 500))
+    cache = AdapterCache(tmp_path / "cache", s3, bucket, max_bytes=BOUND)
+    tmp = tmp_path / "cache" / "tmp"
+    tmp.rmdir()
+    tmp.write_text("a file where the download directory should be")  # as a full disk would
+    with pytest.raises(AdapterUnavailableError) as caught:
+        cache.ensure(digest)
+    assert "disk cache" in caught.value.message
+    assert not cache.has(digest)
+    assert cache.used_bytes() == 0
 
 
 def test_byte_bound_evicts_least_recently_used_unheld_entries(

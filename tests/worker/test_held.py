@@ -24,17 +24,22 @@ def test_received_then_finished_is_written_in_order(redis: Redis) -> None:
     held.start()
     try:
         for n in range(50):
-            held.received(f"task-{n}", f"tag-{n}")
+            held.received(f"tag-{n}", f"task-{n}")
         for n in range(0, 50, 2):
-            held.finished(f"task-{n}")
+            held.finished(f"tag-{n}")
         _until(lambda: redis.hlen(held_key(worker)) == 25)
-        assert redis.hget(held_key(worker), "task-1") == "tag-1"
-        assert redis.hget(held_key(worker), "task-0") is None
+        assert redis.hget(held_key(worker), "tag-1") == "task-1"
+        assert redis.hget(held_key(worker), "tag-0") is None
         # A job received and finished at once leaves nothing behind, whatever the batching.
-        held.received("quick", "tag-q")
-        held.finished("quick")
+        held.received("tag-q", "quick")
+        held.finished("tag-q")
+        # Two deliveries of one job are two entries: finishing one keeps the other.
+        held.received("tag-a", "twice")
+        held.received("tag-b", "twice")
+        held.finished("tag-a")
     finally:
         held.close()
-    assert not redis.hexists(held_key(worker), "quick")
-    assert redis.hlen(held_key(worker)) == 25
+    assert not redis.hexists(held_key(worker), "tag-q")
+    assert redis.hget(held_key(worker), "tag-b") == "twice"
+    assert redis.hlen(held_key(worker)) == 26
     redis.delete(held_key(worker))

@@ -13,7 +13,7 @@ from worker.inflight import InFlight
 
 def test_a_job_stopped_before_it_generates_stops_at_its_next_check() -> None:
     inflight = InFlight()
-    with inflight.track("a") as running:
+    with inflight.track("a", 1) as running:
         running.check()  # not stopped: no error
         assert inflight.stop("a", StopReason.CANCELLED)
         with pytest.raises(JobStopped) as caught:
@@ -30,7 +30,7 @@ def test_a_job_stopped_before_it_generates_stops_at_its_next_check() -> None:
 def test_stopping_a_generating_job_cancels_its_engine_future_and_first_reason_wins() -> None:
     inflight = InFlight()
     future: concurrent.futures.Future[int] = concurrent.futures.Future()
-    with inflight.track("a") as running, running.generating(future):
+    with inflight.track("a", 1) as running, running.generating(future):
         stopper = threading.Thread(target=inflight.stop_all, args=(StopReason.DRAIN,))
         stopper.start()
         stopper.join()
@@ -43,7 +43,7 @@ def test_stopping_a_generating_job_cancels_its_engine_future_and_first_reason_wi
 
 def test_only_the_named_job_is_stopped() -> None:
     inflight = InFlight()
-    with inflight.track("a") as first, inflight.track("b") as second:
+    with inflight.track("a", 1) as first, inflight.track("b", 1) as second:
         assert sorted(inflight.job_ids()) == ["a", "b"] and len(inflight) == 2
         inflight.stop("b", StopReason.CANCELLED)
         first.check()

@@ -4,13 +4,17 @@ CPU only: it imports no engine. A dispatcher thread moves due deliveries from th
 (``worker.webhooks.schedule``) onto the ``lorafleet.webhooks`` queue; pool threads run one
 attempt each. Messages are acknowledged on receipt: the schedule, not the broker, keeps an
 event alive (an attempt lost with its worker becomes due again when its lease ends), and no
-retry ever waits in a Celery countdown.
+retry ever waits in a Celery countdown. It also stands for election as the deadline sweeper
+(``worker.sweeper``), so jobs past their deadline end even while no GPU worker runs.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
+import uuid
 from typing import Any
 
 from celery import Celery
@@ -21,6 +25,8 @@ from contracts.queues import DELIVER_WEBHOOK_TASK, WEBHOOKS_QUEUE
 from contracts.redis_policy import sync_client
 from contracts.telemetry import SENTRY_OPTIONS
 from worker.background import Background
+from worker.job_store import JobStore
+from worker.sweeper import DeadlineSweeper
 from worker.webhooks.config import get_settings
 from worker.webhooks.schedule import Schedule
 
@@ -52,7 +58,7 @@ if settings.sentry_dsn:
 redis = sync_client(
     settings.redis_url, settings.redis_max_connections, decode_responses=True, socket_timeout=10
 )
-_dispatcher: Background | None = None
+_background: list[Background] = []
 
 
 def _dispatch(stopping: threading.Event) -> None:
@@ -68,12 +74,20 @@ def _dispatch(stopping: threading.Event) -> None:
 
 @worker_ready.connect
 def _start_dispatcher(**_: Any) -> None:
-    global _dispatcher
-    _dispatcher = Background("webhook-dispatcher", _dispatch, join_timeout_s=10)
-    _dispatcher.start()
+    owner = f"webhooks:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    sweeper = DeadlineSweeper(
+        redis,
+        JobStore(redis, settings.job_ttl_s),
+        owner,
+        settings.sweep_interval_s,
+        settings.sweep_grace_s,
+    )
+    _background[:] = [Background("webhook-dispatcher", _dispatch, join_timeout_s=10), sweeper]
+    for thread in _background:
+        thread.start()
 
 
 @worker_shutdown.connect
 def _stop_dispatcher(**_: Any) -> None:
-    if _dispatcher is not None:
-        _dispatcher.close()
+    for thread in _background:
+        thread.close()

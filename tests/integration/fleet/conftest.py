@@ -1,0 +1,295 @@
+"""A fleet of real workers on a Redis with persistence, for fault tests that kill, wedge,
+restart and partition them. The timeouts are shortened through settings; the production
+defaults and how they relate are in the README ("Delivery guarantees").
+
+One fleet serves every module of this package: each test leaves two live workers behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from celery import Celery
+
+from contracts.jobs import JobPublic
+from contracts.keys import stream_key, tenant_ledger_key, tier_ledger_key
+from contracts.queues import Tier, queue_for
+from lorafleet.fixtures import AdapterSpec
+from lorafleet.processes import Child
+from lorafleet.settings import LocalSettings
+from lorafleet.stack import DEV_TENANT, LocalStack
+from tests.helpers import job_record
+
+# Long enough for jobs handed back after an engine failure to wait for a replacement worker.
+DEADLINE_S = 120
+MAX_ATTEMPTS = 2
+FLEET_ENV = {
+    "LORAFLEET_JOB_DEADLINE_S": str(DEADLINE_S),
+    # A dead worker's jobs go back to their queue ~7 s after its last heartbeat (4 beats + 2 s,
+    # then the next reaper sweep), well before their deadline.
+    "LORAFLEET_HEARTBEAT_S": "1",
+    "LORAFLEET_RESTORE_INTERVAL_S": "1",
+    # The backstop, above deadline + announcement TTL + restore interval as settings require.
+    "LORAFLEET_VISIBILITY_TIMEOUT_S": str(DEADLINE_S + 15),
+    "LORAFLEET_MAX_ATTEMPTS": str(MAX_ATTEMPTS),
+    "LORAFLEET_DRAIN_TIMEOUT_S": "60",
+    "LORAFLEET_CANCEL_POLL_S": "0.5",
+    "LORAFLEET_WORKER_CONCURRENCY": "32",
+    "LORAFLEET_MAX_LORAS": "2",
+    "LORAFLEET_MAX_CPU_LORAS": "2",
+    # Leases renewed every 2 s; a dead worker's running jobs wait up to 8 s for theirs.
+    "LORAFLEET_LEASE_TTL_S": "8",
+    "LORAFLEET_ENGINE_PROBE_S": "1",
+    "LORAFLEET_ENGINE_PROBE_TIMEOUT_S": "10",
+    "LORAFLEET_ENGINE_FAILURE_EXIT_S": "30",
+    "LORAFLEET_SWEEP_INTERVAL_S": "1",
+    "LORAFLEET_SWEEP_GRACE_S": "2",
+}
+QUEUE = queue_for(Tier.HOT)
+# Kombu's Redis transport keeps delivered, unacknowledged messages here.
+UNACKED = ("unacked", "unacked_index")
+
+
+class Fleet:
+    """A local stack with workers that tests may kill and replace."""
+
+    def __init__(self, stack: LocalStack, alias: str, api: httpx.Client) -> None:
+        self.stack = stack
+        self.alias = alias
+        self.api = api  # the stack's gateway, as its ``dev`` tenant
+        self.redis = stack.redis()
+        self.control = Celery(broker=stack.redis_url).control
+        self._spawned = 0
+
+    def spawn_worker(
+        self, env: dict[str, str] | None = None, wrapper: list[str] | None = None
+    ) -> Child:
+        self._spawned += 1
+        name = f"fleet-worker-{self._spawned}"
+        return self.stack.spawn_worker(
+            {**FLEET_ENV, **(env or {}), "LORAFLEET_WORKER_NAME": f"{name}@%h"},
+            name=name,
+            wrapper=wrapper,
+        )
+
+    def workers(self) -> list[Child]:
+        return [c for c in self.stack.children if c.name.startswith("fleet-worker") and c.alive()]
+
+    def worker_id(self, worker: Child) -> str:
+        worker_id = self.stack.worker_id(worker)
+        assert worker_id is not None, f"{worker.name} is not announced"
+        return worker_id
+
+    def worker_running(self, job: JobPublic) -> Child:
+        return next(c for c in self.workers() if self.stack.worker_id(c) == job.worker)
+
+    @staticmethod
+    def node(worker: Child) -> str:
+        return f"{worker.name}@{socket.gethostname()}"
+
+    def pause(self, workers: list[Child]) -> None:
+        nodes = [self.node(worker) for worker in workers]
+        assert len(self.control.cancel_consumer(QUEUE, destination=nodes, reply=True)) == len(nodes)
+
+    def resume(self, workers: list[Child]) -> None:
+        nodes = [self.node(worker) for worker in workers]
+        assert len(self.control.add_consumer(QUEUE, destination=nodes, reply=True)) == len(nodes)
+
+    def job(self, job_id: str) -> JobPublic:
+        return job_record(self.redis, job_id)
+
+    def wait_job(
+        self, job_id: str, until: Callable[[JobPublic], bool], timeout_s: float
+    ) -> JobPublic:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = self.job(job_id)
+            if until(job):
+                return job
+            assert time.monotonic() < deadline, f"job {job_id} stuck: {job.model_dump_json()}"
+            time.sleep(0.05)
+
+    def first_running(self, job_ids: list[str], timeout_s: float = 60) -> JobPublic:
+        """The first of ``job_ids`` seen running (polled fast: a job may run ~1 s)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for job_id in job_ids:
+                if (job := self.job(job_id)).status == "running":
+                    return job
+            assert time.monotonic() < deadline, "no job started"
+
+    def wait_all_running(self, job_ids: list[str], timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(self.job(job_id).status == "running" for job_id in job_ids):
+            assert time.monotonic() < deadline, "the jobs never ran all at once"
+            time.sleep(0.05)
+
+    def wait_in_engine(self, worker: Child, count: int, timeout_s: float = 60) -> None:
+        """Until ``worker``'s engine holds ``count`` requests (its heartbeat says so)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            record = worker_record(self, self.worker_id(worker))
+            if record is not None and record["engine_unfinished_requests"] == count:
+                return
+            assert time.monotonic() < deadline, f"the engine never held {count}: {record}"
+            time.sleep(0.1)
+
+    def wait_none_queued(self, job_ids: list[str], timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while any(self.job(job_id).status == "queued" for job_id in job_ids):
+            assert time.monotonic() < deadline, "jobs still queued"
+            time.sleep(0.05)
+
+    def wait_finished(self, job_id: str, timeout_s: float = 180) -> JobPublic:
+        return self.wait_job(job_id, lambda job: job.status.terminal, timeout_s)
+
+    def wait_any_consuming(self, timeout_s: float = 600) -> None:
+        """Until at least one live worker has announced itself (engine up, consuming)."""
+        deadline = time.monotonic() + timeout_s
+        while not any(self.stack.worker_id(worker) for worker in self.workers()):
+            assert time.monotonic() < deadline, "no worker came back"
+            time.sleep(0.2)
+
+    def replace(self, gone: list[Child]) -> None:
+        """Start a worker for each one gone and wait until they all consume."""
+        for worker in [self.spawn_worker() for _ in gone]:
+            self.stack.wait_worker(worker)
+
+    def unacked(self) -> int:
+        return sum(int(self.redis.exists(key)) for key in UNACKED)
+
+    def admitted(self) -> dict[str, int]:
+        """Jobs counted against the admission limits (tier and tenant ledgers)."""
+        keys = {"tier": tier_ledger_key(Tier.HOT.value), "tenant": tenant_ledger_key(DEV_TENANT)}
+        return {name: int(self.redis.zcard(key)) for name, key in keys.items()}  # type: ignore[arg-type]
+
+    def stream_attempts(self, job_id: str) -> set[str]:
+        """The attempt numbers that appended text to the job's stream."""
+        entries = self.redis.xrange(stream_key(job_id))
+        return {fields["attempt"] for _, fields in entries}  # type: ignore[union-attr]
+
+    def stream_text(self, job_id: str) -> str:
+        return "".join(fields["text"] for _, fields in self.redis.xrange(stream_key(job_id)))  # type: ignore[union-attr]
+
+
+class StreamingCompletion(threading.Thread):
+    """A streaming completion read to its end on a thread of its own, as a client would:
+    the text it received, the error event if one came, and whether ``[DONE]`` ended it."""
+
+    def __init__(self, fleet: Fleet, **body: Any) -> None:
+        super().__init__(daemon=True)
+        self._url = fleet.stack.gateway_url
+        self._headers = dict(fleet.api.headers)
+        self._body = {
+            "model": fleet.alias,
+            "prompt": "Summarise the conversation",
+            "max_tokens": 240,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            **body,
+        }
+        self.accepted = threading.Event()
+        self.job_id = ""
+        self.status = 0
+        self.text = ""
+        self.error: dict[str, Any] | None = None
+        self.done = False
+
+    def run(self) -> None:
+        with (
+            httpx.Client(base_url=self._url, headers=self._headers, timeout=300) as client,
+            client.stream("POST", "/v1/completions", json=self._body) as response,
+        ):
+            self.status = response.status_code
+            self.job_id = response.headers.get("x-lorafleet-job-id", "")
+            self.accepted.set()
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    self.done = True
+                    return
+                event = json.loads(line.removeprefix("data: "))
+                if "error" in event:
+                    self.error = event["error"]
+                for choice in event.get("choices", ()):
+                    self.text += choice.get("text") or ""
+
+    def started(self, timeout_s: float = 60) -> str:
+        """The job id, once the gateway accepted the request."""
+        assert self.accepted.wait(timeout_s), "the completion was never accepted"
+        assert self.status == 200, self.status
+        return self.job_id
+
+
+def engine_core(worker: Child) -> psutil.Process:
+    """The vLLM engine-core process of ``worker`` (titled ``VLLM::EngineCore``)."""
+    for child in psutil.Process(worker.pid).children(recursive=True):
+        try:
+            if "EngineCore" in " ".join(child.cmdline()):
+                return child
+        except psutil.Error:
+            continue
+    raise AssertionError(f"{worker.name} has no engine-core process")
+
+
+def kill_group(worker: Child) -> None:
+    """SIGKILL the worker and its engine: no cleanup at all."""
+    os.killpg(worker.pid, signal.SIGKILL)
+    worker.process.wait(timeout=10)
+
+
+def terminal_events(pubsub: Any, quiet_s: float = 1.0) -> Counter[str]:
+    """Job ids published on the job-events channel until it stays quiet for ``quiet_s``."""
+    seen: Counter[str] = Counter()
+    quiet_until = time.monotonic() + quiet_s
+    while time.monotonic() < quiet_until:
+        message = pubsub.get_message(timeout=0.1)
+        if message is not None and message["type"] == "message":
+            seen[str(message["data"])] += 1
+            quiet_until = time.monotonic() + quiet_s
+    return seen
+
+
+def worker_record(fleet: Fleet, worker_id: str) -> dict[str, Any] | None:
+    raw = fleet.redis.get(f"lorafleet:worker:{worker_id}")
+    return None if raw is None else dict(json.loads(str(raw)))
+
+
+@pytest.fixture(scope="package")
+def fleet(
+    tmp_path_factory: pytest.TempPathFactory, fixtures_dir: Path, specs: list[AdapterSpec]
+) -> Iterator[Fleet]:
+    state = tmp_path_factory.mktemp("fleet")
+    settings = LocalSettings(
+        state_dir=state, s3_bucket="lorafleet-fleet", redis_url=None, s3_endpoint_url=None
+    )
+    stack = LocalStack(settings, fixtures_dir / "base", persistent_redis=True)
+    try:
+        stack.start_infra()
+        stack.redis().config_set("notify-keyspace-events", "Kh")  # for ``job_when``
+        alias = specs[0].name
+        stack.publisher().publish(fixtures_dir / "adapters" / alias, alias, Tier.HOT)
+        stack.start_services({**FLEET_ENV, "LORAFLEET_WORKER_NAME": "fleet-worker-0@%h"})
+        first = next(c for c in stack.children if c.name == "worker")
+        first.name = "fleet-worker-0"
+        auth = {"Authorization": f"Bearer {stack.api_key}"}
+        with httpx.Client(base_url=stack.gateway_url, headers=auth, timeout=90) as api:
+            fleet = Fleet(stack, alias, api)
+            stack.wait_worker(fleet.spawn_worker())
+            yield fleet
+    finally:
+        stack.stop()

@@ -1,0 +1,143 @@
+"""A worker whose engine dies or hangs stops taking jobs, hands them all back and exits
+non-zero; another worker runs them, each exactly once. A job that kills every engine it runs
+on is still stopped, without taking the jobs that shared its batches down with it.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from contracts.keys import JOB_EVENTS, held_key
+from lorafleet.processes import Child
+from tests.helpers import submit_job
+from tests.integration.fleet.conftest import (
+    MAX_ATTEMPTS,
+    QUEUE,
+    Fleet,
+    StreamingCompletion,
+    engine_core,
+    terminal_events,
+    worker_record,
+)
+
+EXIT_ENGINE_FAILED = 75
+# Engine failure noticed within ~1 s (dead core) or 10 s (probe timeout), plus at most the
+# worker's 30 s bound to hand its jobs back and leave.
+EXIT_BOUND_S = 90
+
+
+def _jobs_on_one_worker(fleet: Fleet, count: int) -> tuple[Child, Child, list[str]]:
+    """``count`` long jobs running on one worker (the other one paused, then resumed)."""
+    target, other = fleet.workers()[:2]
+    fleet.pause([target, other])
+    try:
+        jobs = [submit_job(fleet.api, fleet.alias)["id"] for _ in range(count)]
+        fleet.resume([target])
+        fleet.wait_all_running(jobs)
+        fleet.wait_in_engine(target, count)
+    finally:
+        fleet.resume([other])
+    return target, other, jobs
+
+
+def _assert_handed_over(
+    fleet: Fleet, jobs: list[str], failed_id: str, survivor_id: str, events: object
+) -> None:
+    for job_id in jobs:
+        job = fleet.wait_finished(job_id)
+        assert job.status == "succeeded", job.model_dump_json()
+        assert job.worker == survivor_id
+        # The interrupted attempt was given back, not counted; the engine death under it was.
+        assert (job.attempts, job.engine_failures) == (1, 1), job.model_dump_json()
+        assert job.metadata is not None and job.metadata.identity_verified
+    counts = terminal_events(events)
+    assert {job_id: counts[job_id] for job_id in jobs} == dict.fromkeys(jobs, 1)
+    assert fleet.unacked() == 0
+    assert fleet.redis.llen(QUEUE) == 0
+    assert fleet.admitted() == {"tier": 0, "tenant": 0}
+    assert not fleet.redis.exists(held_key(failed_id))
+    assert worker_record(fleet, failed_id) is None
+
+
+def test_engine_core_killed_hands_every_job_to_another_worker(fleet: Fleet) -> None:
+    events = fleet.redis.pubsub(ignore_subscribe_messages=True)
+    events.subscribe(JOB_EVENTS)
+    target, other, jobs = _jobs_on_one_worker(fleet, 20)
+    target_id, other_id = fleet.worker_id(target), fleet.worker_id(other)
+
+    engine_core(target).send_signal(signal.SIGKILL)  # OOM killer, CUDA fault: the core is gone
+    started = time.monotonic()
+    assert target.process.wait(timeout=EXIT_BOUND_S) == EXIT_ENGINE_FAILED, target.log_tail()
+    assert time.monotonic() - started < EXIT_BOUND_S
+    _assert_handed_over(fleet, jobs, target_id, other_id, events)
+    events.close()
+    assert "engine failed" in target.log_path.read_text()
+    fleet.replace([target])
+
+
+def test_wedged_engine_is_noticed_by_its_probe_and_its_jobs_run_elsewhere(fleet: Fleet) -> None:
+    events = fleet.redis.pubsub(ignore_subscribe_messages=True)
+    events.subscribe(JOB_EVENTS)
+    target, other, jobs = _jobs_on_one_worker(fleet, 8)
+    target_id, other_id = fleet.worker_id(target), fleet.worker_id(other)
+    core = engine_core(target)
+
+    # A hung step: the core process is alive (vLLM sees nothing wrong) but never answers.
+    core.send_signal(signal.SIGSTOP)
+    try:
+        assert target.process.wait(timeout=EXIT_BOUND_S) == EXIT_ENGINE_FAILED
+    finally:
+        if core.is_running():
+            core.send_signal(signal.SIGKILL)
+    _assert_handed_over(fleet, jobs, target_id, other_id, events)
+    events.close()
+    assert "health probe" in target.log_path.read_text()
+    fleet.replace([target])
+
+
+def test_job_that_kills_every_engine_stops_and_spares_its_batch_mates(fleet: Fleet) -> None:
+    """Each time the poison generates, its engine dies (killed here, as a request that crashes
+    the engine would). The jobs in the engine with it are handed back too, but only the poison
+    keeps dying: after ``MAX_ATTEMPTS`` engine deaths it fails ``attempts_exhausted``, and no
+    other job does, although the first death took three of them down with it."""
+    workers = fleet.workers()
+    fleet.pause(workers)
+    try:
+        poison = StreamingCompletion(fleet)  # streamed: its text shows when it generates
+        poison.start()
+        poison_id = poison.started()
+        mates = [submit_job(fleet.api, fleet.alias)["id"] for _ in range(3)]
+        fleet.resume(workers[:1])
+        fleet.wait_all_running([poison_id, *mates])
+        fleet.wait_in_engine(workers[0], 4)
+    finally:
+        fleet.resume(workers[1:])
+    for deaths in range(1, MAX_ATTEMPTS + 1):
+        # The poison generating: its execution number ``deaths`` appended text.
+        deadline = time.monotonic() + 240
+        while len(fleet.stream_attempts(poison_id)) < deaths:
+            assert time.monotonic() < deadline, fleet.job(poison_id).model_dump_json()
+            time.sleep(0.05)
+        host = fleet.worker_running(fleet.job(poison_id))
+        engine_core(host).send_signal(signal.SIGKILL)
+        assert host.process.wait(timeout=EXIT_BOUND_S) == EXIT_ENGINE_FAILED
+        fleet.spawn_worker()  # its orchestrator restarts it
+        fleet.wait_any_consuming()
+
+    job = fleet.wait_finished(poison_id, timeout_s=300)
+    assert job.status == "failed", job.model_dump_json()
+    assert job.error is not None and job.error.code == "attempts_exhausted"
+    assert job.engine_failures == MAX_ATTEMPTS
+    assert "engine" in job.error.message
+    poison.join(60)
+    assert poison.done and poison.error is not None
+    assert poison.error["code"] == "attempts_exhausted"
+    for job_id in mates:
+        mate = fleet.wait_finished(job_id, timeout_s=300)
+        assert mate.status == "succeeded", mate.model_dump_json()
+        assert 1 <= mate.engine_failures < MAX_ATTEMPTS
+    assert fleet.admitted() == {"tier": 0, "tenant": 0}
+    for worker in fleet.workers():
+        fleet.stack.wait_worker(worker)
+    assert len(fleet.workers()) == 2

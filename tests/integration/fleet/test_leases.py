@@ -1,0 +1,104 @@
+"""One attempt at a time per job: a worker that only looks dead (its heartbeat expired while
+Redis was away) keeps its jobs, and a worker restarted as the same host and pid is not
+mistaken for its dead predecessor.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections import Counter
+
+import pytest
+
+from contracts.errors import ErrorCode
+from tests.helpers import submit_job
+from tests.integration.fleet.conftest import (
+    FLEET_ENV,
+    Fleet,
+    StreamingCompletion,
+    kill_group,
+)
+
+STREAMS = 10
+IN_POD = ["unshare", "--pid", "--fork", "--mount-proc"]
+
+
+def _pid_namespaces() -> bool:
+    """This machine lets us start a process as pid 1 of its own namespace (needs root)."""
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run([*IN_POD, "true"], capture_output=True, timeout=30).returncode == 0
+
+
+def test_redis_down_longer_than_heartbeats_and_leases_starts_no_second_attempt(
+    fleet: Fleet,
+) -> None:
+    """Redis stops for 10 s, longer than the heartbeat expiry (6 s) and the lease (8 s), while
+    10 streamed jobs generate: every worker looks dead to every reaper, and every running job
+    looks unclaimed, once Redis is back. Each job still has exactly one attempt that
+    generated, each client's stream is the job's final text, and nothing is exhausted."""
+    streams = [StreamingCompletion(fleet) for _ in range(STREAMS)]
+    for stream in streams:
+        stream.start()
+    jobs = [stream.started() for stream in streams]
+    fleet.wait_all_running(jobs)
+    workers = fleet.workers()
+    running_on = Counter(fleet.job(job_id).worker for job_id in jobs)
+    for worker in workers:  # every job generating in some engine
+        fleet.wait_in_engine(worker, running_on[fleet.worker_id(worker)])
+
+    fleet.stack.restart_redis(down_s=10)  # AOF on: keys whose expiry passed are gone after it
+
+    for stream in streams:
+        stream.join(timeout=300)
+        assert not stream.is_alive()
+    for stream, job_id in zip(streams, jobs, strict=True):
+        job = fleet.wait_finished(job_id)
+        assert job.status == "succeeded", job.model_dump_json()
+        assert job.attempts == 1, job.model_dump_json()
+        assert job.result is not None
+        assert len(fleet.stream_attempts(job_id)) == 1  # one execution wrote text
+        assert fleet.stream_text(job_id) == job.result.text
+        assert (stream.done, stream.error) == (True, None)
+        assert stream.text == job.result.text
+        assert job.error is None or job.error.code != ErrorCode.ATTEMPTS_EXHAUSTED
+    assert all(worker.alive() for worker in workers), "a worker restarted instead of riding it out"
+    assert fleet.admitted() == {"tier": 0, "tenant": 0}
+
+
+@pytest.mark.skipif(not _pid_namespaces(), reason="needs pid namespaces (unshare, as root)")
+def test_worker_restarted_as_the_same_host_and_pid_gets_its_predecessors_jobs_back(
+    fleet: Fleet,
+) -> None:
+    """A container restarted in its pod: same hostname, and its main process is pid 1 again.
+    The new process must not take its dead predecessor for itself: the jobs the predecessor
+    held go back to the queue at once (reaper), not after the visibility timeout (which would
+    outlast their deadline here)."""
+    others = fleet.workers()
+    fleet.pause(others)
+    try:
+        first = fleet.spawn_worker(wrapper=IN_POD)
+        first_id = fleet.stack.wait_worker(first)
+        assert first_id.split(":")[1] == "1", first_id  # pid 1, as in a container
+        jobs = [submit_job(fleet.api, fleet.alias)["id"] for _ in range(4)]
+        fleet.wait_all_running(jobs)
+        assert {fleet.job(job_id).worker for job_id in jobs} == {first_id}
+        kill_group(first)
+
+        second = fleet.spawn_worker(wrapper=IN_POD)
+        second_id = fleet.stack.wait_worker(second)
+        assert second_id.split(":")[:2] == first_id.split(":")[:2]  # same host, same pid
+        assert second_id != first_id
+        for job_id in jobs:
+            job = fleet.wait_finished(job_id)
+            assert job.status == "succeeded", job.model_dump_json()
+            assert (job.attempts, job.worker) == (2, second_id)
+    finally:
+        fleet.resume(others)
+    kill_group(second)
+    # What made the old behaviour fail here: only the visibility timeout would have handed
+    # the jobs back, after their deadline.
+    assert int(FLEET_ENV["LORAFLEET_VISIBILITY_TIMEOUT_S"]) > int(
+        FLEET_ENV["LORAFLEET_JOB_DEADLINE_S"]
+    )
