@@ -35,6 +35,7 @@ class ErrorCode(StrEnum):
     # Execution (worker): the job ends failed, generation never ran on other weights
     ADAPTER_INTEGRITY = "adapter_integrity"
     ADAPTER_UNAVAILABLE = "adapter_unavailable"
+    ADAPTER_LOAD_FAILED = "adapter_load_failed"
     BASE_MODEL_MISMATCH = "base_model_mismatch"
     ENGINE_ERROR = "engine_error"
     DEADLINE_EXCEEDED = "deadline_exceeded"

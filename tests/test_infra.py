@@ -17,6 +17,7 @@ from gateway.app import create_app
 from gateway.config import GatewaySettings
 from gateway.fleet import MIN_REPLICAS
 from lorafleet.stack import procfile_commands
+from worker import metrics as worker_metrics
 from worker.config import WorkerSettings
 from worker.webhooks.config import WebhookSettings
 
@@ -165,13 +166,28 @@ def test_ports_and_probes_exist() -> None:
         assert gateway[probe]["httpGet"]["port"] == port["name"]
     (service,) = [s for s in _kind("Service") if s["metadata"]["name"] == "lorafleet-gateway"]
     assert service["spec"]["ports"][0]["targetPort"] == port["name"]
-    annotations = _deployment("lorafleet-gateway")["spec"]["template"]["metadata"]["annotations"]
-    assert annotations["prometheus.io/path"] in paths
+    # The gateway's metrics take an operator key: scraped with one, not by annotation.
+    (monitor,) = _kind("ServiceMonitor")
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"]) == (port["name"], "/metrics")
+    assert "/metrics" in paths and endpoint["authorization"]["type"] == "Bearer"
+    gateway_pod = _deployment("lorafleet-gateway")["spec"]["template"]["metadata"]
+    assert "prometheus.io/scrape" not in gateway_pod.get("annotations", {})
     for tier in MIN_REPLICAS:
         worker = _container(_deployment(f"lorafleet-worker-{tier.value}"))
         (metrics_port,) = worker["ports"]
         assert str(metrics_port["containerPort"]) == _env(worker)["LORAFLEET_METRICS_PORT"]
-        assert worker["readinessProbe"]["httpGet"]["port"] == metrics_port["name"]
+        # Served by the worker's metrics server (worker.metrics): ready while it takes jobs,
+        # live until its engine failed.
+        for probe, path in (
+            ("startupProbe", worker_metrics.READY_PATH),
+            ("readinessProbe", worker_metrics.READY_PATH),
+            ("livenessProbe", worker_metrics.LIVE_PATH),
+        ):
+            assert worker[probe]["httpGet"] == {"path": path, "port": metrics_port["name"]}
         assert "nvidia.com/gpu" in worker["resources"]["limits"]
 
 

@@ -208,6 +208,11 @@ class WorkerSettings(ServiceSettings):
         """The longest job deadline this worker's visibility timeout covers."""
         return self.visibility_timeout_s - self.announcement_ttl_s - self.restore_interval_s
 
+    def covers(self, deadline_s: float) -> bool:
+        """A job with this deadline (from admission) is acknowledged before Redis would hand
+        it to another worker: the visibility timeout outlasts it."""
+        return deadline_s <= self.safe_deadline_s
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> WorkerSettings:

@@ -194,12 +194,24 @@ class EngineHost:
         if self._failure is not None:
             raise EngineFailed(self._failure)
 
+    def check_serving(self) -> None:
+        """Raise ``EngineFailed`` unless the engine still serves, as far as anyone can tell:
+        not failed here, and not reported dead by vLLM (whose monitor may know first)."""
+        if self._failure is None and self._engine is not None and self._engine.errored:
+            self.fail("the engine core process exited")
+        self._refuse_if_failed()
+
+    def died(self, error: EngineDeadError) -> EngineFailed:
+        """Fail the engine for ``error`` (vLLM's own): call where it surfaces, so that the
+        failure is recorded before anything else on the loop runs."""
+        self.fail(f"the engine core died ({error})")
+        return EngineFailed(self._failure or str(error))
+
     async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:
         try:
             return await coro
         except EngineDeadError as exc:
-            self.fail(f"the engine core died ({exc})")
-            raise EngineFailed(self._failure or str(exc)) from exc
+            raise self.died(exc) from exc
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Schedule ``coro`` on the engine loop from any thread. The future is cancelled if the

@@ -72,6 +72,8 @@ DEADLINE_BEYOND_VISIBILITY = Counter(
 )
 
 Probe = Callable[[], bool]
+READY_PATH = "/readyz"
+LIVE_PATH = "/livez"
 
 
 def serve(port: int, ready: Probe, live: Probe) -> int:
@@ -92,8 +94,8 @@ def _handler(ready: Probe, live: Probe) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
-            if path in ("/readyz", "/livez"):
-                ok = (ready if path == "/readyz" else live)()
+            if path in (READY_PATH, LIVE_PATH):
+                ok = (ready if path == READY_PATH else live)()
                 self._answer(200 if ok else 503, b"ok\n" if ok else b"no\n", "text/plain")
             else:
                 self._answer(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)

@@ -24,10 +24,13 @@ from contracts.jobs import LoadTimings, Residency
 from worker import metrics
 from worker.adapter_cache import AdapterCache
 from worker.deadlines import remaining_s
-from worker.engine import EngineHost
+from worker.engine import EngineFailed, EngineHost
 from worker.errors import AdapterIntegrityError, JobFailure
 
 log = logging.getLogger(__name__)
+
+MAX_REFUSED = 1024
+"""Refused adapters remembered per process (a digest each; the oldest is forgotten first)."""
 
 
 def _late(doing: str) -> JobFailure:
@@ -140,6 +143,7 @@ class EngineAdapters:
         self._handed: dict[int, str] = {}
         self._pinned: set[int] = set()
         self._locks: dict[str, threading.Lock] = {}
+        self._refused: dict[str, str] = {}  # digest -> the engine's refusal, oldest first
         self._gate = SlotGate(max_loras)
         self._listing = SharedQuestion(lambda: self._host.engine.list_loras())
 
@@ -217,10 +221,7 @@ class EngineAdapters:
             if loaded != digest:
                 raise AdapterIntegrityError(f"Files for {digest} hash to {loaded}; refused.")
             start = time.perf_counter()
-            try:
-                self._host.run(self._host.engine.add_lora(request), remaining_s(deadline_at))
-            except TimeoutError:
-                raise _late("waited for the engine to load its adapter") from None
+            self._load(request, digest, deadline_at)
             timings.engine_load = round((time.perf_counter() - start) * 1000, 3)
             self._handed[lora_id] = loaded
             # The engine's CPU cache makes room by dropping its least recently used adapter.
@@ -230,6 +231,32 @@ class EngineAdapters:
         finally:
             lock.release()
         return Resident(request, loaded)
+
+    def _load(self, request: LoRARequest, digest: str, deadline_at: float | None) -> None:
+        """``add_lora``, once per digest that the engine refuses: its files never change and
+        neither does the engine, so a refusal is final for this process (and retrying it
+        could only cost every job of that adapter a load, or worse, the engine)."""
+        refused = self._refused.get(digest)
+        if refused is None:
+            try:
+                self._host.run(self._host.engine.add_lora(request), remaining_s(deadline_at))
+                return
+            except TimeoutError:
+                raise _late("waited for the engine to load its adapter") from None
+            except EngineFailed:
+                raise
+            except Exception as exc:  # the engine's own refusal (it keeps serving the others)
+                refused = str(exc) or type(exc).__name__
+                with self._guard:
+                    self._refused[digest] = refused
+                    while len(self._refused) > MAX_REFUSED:
+                        self._refused.pop(next(iter(self._refused)))
+                log.error("engine refused adapter %s: %s", request.lora_name, refused)
+        raise JobFailure(
+            ErrorCode.ADAPTER_LOAD_FAILED,
+            f"The engine could not load adapter {request.lora_name}: {refused}. The job did "
+            "not run; the engine keeps serving other adapters.",
+        )
 
     def _verify_or_fetch_again(
         self, digest: str, timings: LoadTimings, deadline_at: float | None

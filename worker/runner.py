@@ -18,6 +18,7 @@ from typing import Any
 from vllm import SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from contracts.errors import ErrorCode
 from contracts.jobs import (
@@ -231,6 +232,9 @@ class JobRunner:
                 self._alone_if_last_chance(last_chance),
                 self._adapters.slot(resident.request),
             ):
+                # A job let in after its engine died (a waiter woken as the dying job left)
+                # never ran under it: it must not count that death against itself.
+                self._host.check_serving()
                 generating = running.in_engine = True
                 return await self._generate(message, resident.request, running.attempt)
 
@@ -265,16 +269,21 @@ class JobRunner:
         prompt_token_ids: list[int] = []
         token_ids: list[int] = []
         text: list[str] = []
-        async for output in self._host.engine.generate(
+        outputs = self._host.engine.generate(
             {"prompt": message.prompt}, params, request_id, lora_request=lora, **options
-        ):
-            final = output
-            prompt_token_ids = list(output.prompt_token_ids or prompt_token_ids)
-            completion = output.outputs[0]
-            token_ids.extend(completion.token_ids)
-            text.append(completion.text)
-            if message.stream and completion.text:
-                self._deltas.publish(message.job_id, attempt, completion.text)
+        )
+        try:
+            async for output in outputs:
+                final = output
+                prompt_token_ids = list(output.prompt_token_ids or prompt_token_ids)
+                completion = output.outputs[0]
+                token_ids.extend(completion.token_ids)
+                text.append(completion.text)
+                if message.stream and completion.text:
+                    self._deltas.publish(message.job_id, attempt, completion.text)
+        except EngineDeadError as exc:
+            # Recorded here, before this job lets the next one into the engine.
+            raise self._host.died(exc) from exc
         if final is None:
             raise RuntimeError(f"the engine returned no output for {request_id}")
         # The engine's own measurement (arrival to first token), not a guess from here.

@@ -217,7 +217,7 @@ class WorkerRuntime:
         covers: Redis would then hand it to a second worker while it runs (that delivery
         waits for the lease, but the settings are wrong)."""
         span = message.deadline_at - message.accepted_at
-        if span <= self.settings.safe_deadline_s:
+        if self.settings.covers(span):
             return
         metrics.DEADLINE_BEYOND_VISIBILITY.inc()
         if time.monotonic() - self._deadline_warned_at > 60:

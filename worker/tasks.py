@@ -115,7 +115,14 @@ def _attempt(rt: WorkerRuntime, message: JobMessage, running: JobPublic) -> None
                 return
             under_it = stopped.reason == StopReason.ENGINE_FAILED and handle.in_engine
             released = rt.jobs.release(running, engine_failed_under_it=under_it)
-            log.warning("job %s handed back: %s (released=%s)", message.job_id, stopped, released)
+            log.warning(
+                "job %s handed back: %s (in the engine: %s, last chance: %s, released: %s)",
+                message.job_id,
+                stopped,
+                handle.in_engine,
+                last_chance,
+                released,
+            )
             if stopped.reason == StopReason.ENGINE_FAILED:
                 _hand_back(rt, "this worker's engine failed")
             raise Reject("worker shutting down", requeue=True) from None

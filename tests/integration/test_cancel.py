@@ -9,15 +9,16 @@ import httpx
 import pytest
 from redis import Redis
 
-from contracts.keys import job_key
+from contracts.keys import idempotency_key, job_key
 from contracts.queues import Tier, queue_for
 from contracts.registry import AdapterRecord
-from lorafleet.stack import LocalStack
+from lorafleet.stack import DEV_TENANT, LocalStack
 from tests.helpers import (
     LONG_SAMPLING,
     assert_engine_drains,
     fresh_heartbeat,
     hot_alias,
+    job_when,
     paused,
     submit_job,
     wait_job,
@@ -111,3 +112,36 @@ def test_queued_job_that_was_cancelled_never_runs(
     assert job["attempts"] == 0
     assert job["started_at"] is None
     assert job["result"] is None
+
+
+def test_completions_whose_client_disconnects_are_cancelled_and_aborted(
+    api: httpx.Client, redis: Redis, published: dict[str, AdapterRecord]
+) -> None:
+    """As vLLM's own server does: a client that goes away stops its generation (streaming or
+    not); the engine holds nothing for nobody."""
+    aborted_before = fresh_heartbeat(redis)["engine_aborted_requests"]
+    body = {"model": hot_alias(published), "prompt": "Summarise", **LONG_SAMPLING}
+    with api.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+        assert stream.status_code == 200
+        streamed = stream.headers["x-lorafleet-job-id"]
+        lines = (line for line in stream.iter_lines() if line)
+        assert json.loads(next(lines).removeprefix("data: "))["choices"][0]["text"]
+    # The stream is closed after its first token: the connection is gone.
+    job = job_when(redis, streamed, lambda j: j.status.terminal)
+    assert job.status == "cancelled", job.model_dump_json()
+
+    # The key tells the test which job the request admitted (its answer never arrives).
+    key = f"gives-up-{time.monotonic_ns()}"
+    headers = {**api.headers, "Idempotency-Key": key}
+    with (
+        httpx.Client(base_url=api.base_url, headers=headers, timeout=1.5) as impatient,
+        pytest.raises(httpx.TimeoutException),
+    ):
+        impatient.post("/v1/completions", json=body)  # gives up while it generates
+    entry = json.loads(str(redis.get(idempotency_key(DEV_TENANT, key))))
+    waited = job_when(redis, entry["job_id"], lambda j: j.status.terminal, timeout_s=60)
+    assert waited.status == "cancelled", waited.model_dump_json()
+    assert waited.error is not None and "cancelled by the caller" in waited.error.message
+
+    assert_engine_drains(redis)
+    assert worker_heartbeat(redis)["engine_aborted_requests"] >= aborted_before + 1

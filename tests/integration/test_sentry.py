@@ -4,17 +4,10 @@ prompt anywhere in what was sent."""
 
 from __future__ import annotations
 
-import gzip
-import json
-import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 from celery import Celery
 from redis import Redis
@@ -23,60 +16,21 @@ from contracts.jobs import JobMessage, JobPublic, JobStatus, Sampling
 from contracts.keys import job_key
 from contracts.queues import RUN_JOB_TASK
 from contracts.registry import AdapterRecord
-from lorafleet.processes import free_port, stop_group
+from lorafleet.processes import stop_group
 from lorafleet.stack import LocalStack
 from tests.conftest import STACK_ENV
 from tests.helpers import hot_alias, job_when
+from tests.sentry_server import recording_sentry, sentry_events
 
 SECRET = "SECRET-PROMPT-7f3a"
 QUEUE = "lorafleet.sentry-test"
-
-
-@contextmanager
-def _sentry() -> Iterator[tuple[str, list[bytes]]]:
-    """A server that accepts Sentry envelopes; yields its DSN and the (decoded) bodies."""
-    received: list[bytes] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers.get("content-length") or 0))
-            if self.headers.get("content-encoding") == "gzip":
-                body = gzip.decompress(body)
-            received.append(body)
-            self.send_response(200)
-            self.send_header("content-length", "2")
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *_: Any) -> None:
-            pass
-
-    port = free_port()
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://public@127.0.0.1:{port}/1", received
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def _events(bodies: list[bytes]) -> list[dict[str, Any]]:
-    """The ``event`` items of Sentry envelopes (header line, then item header + payload)."""
-    events = []
-    for body in bodies:
-        lines = body.split(b"\n")
-        for header, payload in zip(lines[1::2], lines[2::2], strict=False):
-            if json.loads(header).get("type") == "event":
-                events.append(json.loads(payload))
-    return events
 
 
 def test_an_unexpected_worker_error_reaches_sentry_tagged_and_without_the_prompt(
     stack: LocalStack, redis: Redis, published: dict[str, AdapterRecord], tmp_path: Path
 ) -> None:
     record = published[hot_alias(published)]
-    with _sentry() as (dsn, received):
+    with recording_sentry() as (dsn, received):
         worker = stack.spawn_worker(
             {
                 **STACK_ENV,
@@ -124,10 +78,12 @@ def test_an_unexpected_worker_error_reaches_sentry_tagged_and_without_the_prompt
             failed = job_when(redis, job.id, lambda j: j.status.terminal, timeout_s=120)
             assert failed.error is not None and failed.error.code == "engine_error"
             deadline = time.monotonic() + 60
-            while not [e for e in _events(received) if e.get("tags", {}).get("job_id") == job.id]:
+            while not [
+                e for e in sentry_events(received) if e.get("tags", {}).get("job_id") == job.id
+            ]:
                 assert time.monotonic() < deadline, "no Sentry event about the job arrived"
                 time.sleep(0.2)
-            events = _events(received)
+            events = sentry_events(received)
         finally:
             stop_group(worker.pid, process=worker.process)
     expected = {

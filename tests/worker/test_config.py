@@ -48,3 +48,13 @@ def test_visibility_timeout_just_above_the_floor_is_accepted(
     settings = WorkerSettings()
     assert settings.announcement_ttl_s == 42
     assert settings.visibility_timeout_s == 653
+
+
+def test_the_deadline_a_visibility_timeout_covers_is_checked_per_job() -> None:
+    """The check runs on each job's own deadline, not on a copy of the gateway's setting: a
+    worker configured for 600 s still notices a job stamped by a gateway allowing 3600 s."""
+    settings = WorkerSettings()
+    # 900 s visibility - (4 x 10 s + 2 s) heartbeat expiry - 10 s restore interval = 848 s
+    assert settings.covers(settings.job_deadline_s)
+    assert settings.covers(848) and not settings.covers(848.5)
+    assert not settings.covers(3600)

@@ -20,6 +20,7 @@ from tests.integration.fleet.conftest import (
     terminal_events,
     worker_record,
 )
+from tests.sentry_server import recording_sentry, sentry_events
 
 EXIT_ENGINE_FAILED = 75
 # Engine failure noticed within ~1 s (dead core) or 10 s (probe timeout), plus at most the
@@ -27,27 +28,26 @@ EXIT_ENGINE_FAILED = 75
 EXIT_BOUND_S = 90
 
 
-def _jobs_on_one_worker(fleet: Fleet, count: int) -> tuple[Child, Child, list[str]]:
-    """``count`` long jobs running on one worker (the other one paused, then resumed)."""
-    target, other = fleet.workers()[:2]
-    fleet.pause([target, other])
+def _jobs_on(fleet: Fleet, target: Child, count: int) -> list[str]:
+    """``count`` long jobs generating on ``target`` (the others paused meanwhile)."""
+    workers = fleet.workers()
+    others = [worker for worker in workers if worker is not target]
+    fleet.pause(workers)
     try:
         jobs = [submit_job(fleet.api, fleet.alias)["id"] for _ in range(count)]
         fleet.resume([target])
         fleet.wait_all_running(jobs)
         fleet.wait_in_engine(target, count)
     finally:
-        fleet.resume([other])
-    return target, other, jobs
+        fleet.resume(others)
+    return jobs
 
 
-def _assert_handed_over(
-    fleet: Fleet, jobs: list[str], failed_id: str, survivor_id: str, events: object
-) -> None:
+def _assert_handed_over(fleet: Fleet, jobs: list[str], failed_id: str, events: object) -> None:
     for job_id in jobs:
         job = fleet.wait_finished(job_id)
         assert job.status == "succeeded", job.model_dump_json()
-        assert job.worker == survivor_id
+        assert job.worker is not None and job.worker != failed_id
         # The interrupted attempt was given back, not counted; the engine death under it was.
         assert (job.attempts, job.engine_failures) == (1, 1), job.model_dump_json()
         assert job.metadata is not None and job.metadata.identity_verified
@@ -63,24 +63,32 @@ def _assert_handed_over(
 def test_engine_core_killed_hands_every_job_to_another_worker(fleet: Fleet) -> None:
     events = fleet.redis.pubsub(ignore_subscribe_messages=True)
     events.subscribe(JOB_EVENTS)
-    target, other, jobs = _jobs_on_one_worker(fleet, 20)
-    target_id, other_id = fleet.worker_id(target), fleet.worker_id(other)
+    with recording_sentry() as (dsn, received):
+        target = fleet.spawn_worker({"SENTRY_DSN": dsn})
+        target_id = fleet.stack.wait_worker(target)
+        jobs = _jobs_on(fleet, target, 20)
 
-    engine_core(target).send_signal(signal.SIGKILL)  # OOM killer, CUDA fault: the core is gone
-    started = time.monotonic()
-    assert target.process.wait(timeout=EXIT_BOUND_S) == EXIT_ENGINE_FAILED, target.log_tail()
-    assert time.monotonic() - started < EXIT_BOUND_S
-    _assert_handed_over(fleet, jobs, target_id, other_id, events)
+        engine_core(target).send_signal(signal.SIGKILL)  # OOM killer, a CUDA fault: core gone
+        started = time.monotonic()
+        assert target.process.wait(timeout=EXIT_BOUND_S) == EXIT_ENGINE_FAILED, target.log_tail()
+        assert time.monotonic() - started < EXIT_BOUND_S
+        reported = [
+            event
+            for event in sentry_events(received)
+            if event.get("tags", {}).get("worker") == target_id
+        ]
+    _assert_handed_over(fleet, jobs, target_id, events)
     events.close()
-    assert "engine failed" in target.log_path.read_text()
-    fleet.replace([target])
+    assert reported and reported[0]["level"] == "fatal"
+    assert "engine failed" in reported[0]["message"]
 
 
 def test_wedged_engine_is_noticed_by_its_probe_and_its_jobs_run_elsewhere(fleet: Fleet) -> None:
     events = fleet.redis.pubsub(ignore_subscribe_messages=True)
     events.subscribe(JOB_EVENTS)
-    target, other, jobs = _jobs_on_one_worker(fleet, 8)
-    target_id, other_id = fleet.worker_id(target), fleet.worker_id(other)
+    target = fleet.spawn_worker()
+    target_id = fleet.stack.wait_worker(target)
+    jobs = _jobs_on(fleet, target, 8)
     core = engine_core(target)
 
     # A hung step: the core process is alive (vLLM sees nothing wrong) but never answers.
@@ -90,10 +98,9 @@ def test_wedged_engine_is_noticed_by_its_probe_and_its_jobs_run_elsewhere(fleet:
     finally:
         if core.is_running():
             core.send_signal(signal.SIGKILL)
-    _assert_handed_over(fleet, jobs, target_id, other_id, events)
+    _assert_handed_over(fleet, jobs, target_id, events)
     events.close()
     assert "health probe" in target.log_path.read_text()
-    fleet.replace([target])
 
 
 def test_job_that_kills_every_engine_stops_and_spares_its_batch_mates(fleet: Fleet) -> None:
@@ -113,17 +120,20 @@ def test_job_that_kills_every_engine_stops_and_spares_its_batch_mates(fleet: Fle
         fleet.wait_in_engine(workers[0], 4)
     finally:
         fleet.resume(workers[1:])
+    killed: list[Child] = []
     for deaths in range(1, MAX_ATTEMPTS + 1):
-        # The poison generating: its execution number ``deaths`` appended text.
+        # The poison generating: its execution number ``deaths`` appended text. (Polled
+        # fast: on its last chance it runs alone and finishes in a few seconds.)
         deadline = time.monotonic() + 240
         while len(fleet.stream_attempts(poison_id)) < deaths:
             assert time.monotonic() < deadline, fleet.job(poison_id).model_dump_json()
-            time.sleep(0.05)
+            time.sleep(0.01)
         host = fleet.worker_running(fleet.job(poison_id))
         engine_core(host).send_signal(signal.SIGKILL)
-        assert host.process.wait(timeout=EXIT_BOUND_S) == EXIT_ENGINE_FAILED
+        killed.append(host)
         fleet.spawn_worker()  # its orchestrator restarts it
-        fleet.wait_any_consuming()
+    for host in killed:
+        assert host.process.wait(timeout=EXIT_BOUND_S) == EXIT_ENGINE_FAILED
 
     job = fleet.wait_finished(poison_id, timeout_s=300)
     assert job.status == "failed", job.model_dump_json()
