@@ -11,21 +11,19 @@ text and its outcome would be refused anyway.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 from redis import Redis
-from redis.exceptions import RedisError
 
 from contracts.job_records import RENEW, lease_value, renew_call
-from worker.background import Background
+from worker.background import Periodic
 from worker.errors import StopReason
 from worker.inflight import InFlight
 
 log = logging.getLogger(__name__)
 
 
-class LeaseKeeper(Background):
+class LeaseKeeper(Periodic):
     def __init__(
         self,
         redis: Redis,
@@ -39,18 +37,15 @@ class LeaseKeeper(Background):
         self._worker_id = worker_id
         self._inflight = inflight
         self._ttl_s = ttl_s
-        self._refresh_s = refresh_s
         self._on_outage = on_outage
         self._renew = redis.register_script(RENEW)
-        super().__init__("lease-keeper", self._run, join_timeout_s=refresh_s + 5)
+        super().__init__("lease-keeper", refresh_s)
 
-    def _run(self, stopping: threading.Event) -> None:
-        while not stopping.wait(self._refresh_s):
-            try:
-                self.renew()
-            except (RedisError, OSError) as exc:
-                self._on_outage()
-                log.warning("leases not renewed (%s); retrying", exc)
+    def step(self) -> list[str]:
+        return self.renew()
+
+    def on_redis_error(self, exc: Exception) -> None:
+        self._on_outage()
 
     def renew(self) -> list[str]:
         """Renew every lease of this worker's attempts; stop and return the jobs it lost."""

@@ -12,49 +12,52 @@ reaper that died half-way).
 
 A worker id carries a boot id (``host:pid:boot``): a container restarted in the same pod runs
 as the same pid on the same host, and without it the new process would take its dead
-predecessor's deliveries for its own. A worker that looks dead but is not (its heartbeat
-expired during a Redis outage) loses nothing: a restored job waits for the lease of the
-attempt still running it (``contracts.job_records.CLAIM``).
+predecessor's deliveries for its own. With it, the new process knows at its first sweep that
+its predecessor is gone (the pid is its own now) and restores its deliveries at once, without
+waiting for the predecessor's heartbeat to expire. (So two live workers must never share a
+hostname and a pid: give every container its own hostname, as Kubernetes and Compose do.)
+
+A worker that looks dead but is not (its heartbeat expired during a Redis outage) loses
+nothing: a restored job waits for the lease of the attempt still running it
+(``contracts.job_records.CLAIM``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 
 from kombu import Connection
 from redis import Redis
-from redis.exceptions import RedisError
 
 from contracts.keys import WORKERS_INDEX, held_key, worker_key
-from worker.background import Background
+from worker.background import Periodic
 
 log = logging.getLogger(__name__)
 
 
-class Reaper(Background):
+class Reaper(Periodic):
     def __init__(self, redis: Redis, broker_url: str, worker_id: str, interval_s: float) -> None:
         self._redis = redis
         self._broker_url = broker_url
         self._worker_id = worker_id
-        self._interval_s = interval_s
-        super().__init__("reaper", self._run, join_timeout_s=interval_s + 10)
+        super().__init__("reaper", interval_s)
 
-    def _run(self, stopping: threading.Event) -> None:
-        while not stopping.wait(self._interval_s):
-            try:
-                self.sweep()
-            except (RedisError, OSError) as exc:
-                log.warning("reaper sweep failed (%s); retrying", exc)
-            except Exception:
-                log.exception("reaper sweep failed")
+    def step(self) -> int:
+        return self.sweep()
 
     def sweep(self) -> int:
-        """Restore the held deliveries of every worker whose heartbeat expired."""
+        """Restore the held deliveries of every worker that is gone: its heartbeat expired,
+        or it was this process's predecessor (same host, same pid, another boot)."""
         restored = 0
         for member in self._redis.smembers(WORKERS_INDEX):  # type: ignore[union-attr]
             other = str(member)
-            if other == self._worker_id or self._redis.exists(worker_key(other)):
+            if other == self._worker_id:
+                continue
+            if _host_pid(other) == _host_pid(self._worker_id):
+                # This pid is ours now: the process that announced it died (a container
+                # restarted in its pod). No need to wait for its heartbeat to expire.
+                self._redis.delete(worker_key(other))
+            elif self._redis.exists(worker_key(other)):
                 continue
             restored += self._reap(other)
         return restored
@@ -74,3 +77,9 @@ class Reaper(Background):
         if not self._redis.exists(held_key(dead)):
             self._redis.srem(WORKERS_INDEX, dead)
         return restored
+
+
+def _host_pid(worker_id: str) -> str | None:
+    """``host:pid`` of a ``host:pid:boot`` worker id (``None`` for an id without a boot)."""
+    host, pid, *boot = worker_id.split(":")
+    return f"{host}:{pid}" if boot else None

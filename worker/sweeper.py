@@ -14,14 +14,12 @@ once, however many sweepers or workers race on it.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from redis import Redis
-from redis.exceptions import RedisError
 
 from contracts.keys import DEADLINES, SWEEPER
-from worker.background import Background
+from worker.background import Periodic
 from worker.job_store import JobStore
 
 log = logging.getLogger(__name__)
@@ -44,31 +42,23 @@ BATCH = 200
 """Jobs looked at per sweep (the rest wait for the next one)."""
 
 
-class DeadlineSweeper(Background):
+class DeadlineSweeper(Periodic):
     def __init__(
         self, redis: Redis, jobs: JobStore, owner: str, interval_s: float, grace_s: float
     ) -> None:
         self._redis = redis
         self._jobs = jobs
         self._owner = owner
-        self._interval_s = interval_s
         self._grace_s = grace_s
         self._elect = redis.register_script(ELECT)
-        super().__init__("deadline-sweeper", self._run, join_timeout_s=interval_s + 10)
+        super().__init__("deadline-sweeper", interval_s)
 
-    def _run(self, stopping: threading.Event) -> None:
-        while not stopping.wait(self._interval_s):
-            try:
-                if self.elected():
-                    self.sweep()
-            except (RedisError, OSError) as exc:
-                log.warning("deadline sweep failed (%s); retrying", exc)
-            except Exception:
-                log.exception("deadline sweep failed")
+    def step(self) -> int:
+        return self.sweep() if self.elected() else 0
 
     def elected(self) -> bool:
         """This process holds the sweeper's seat (taken if free) for three intervals."""
-        ttl_ms = max(1000, round(3 * self._interval_s * 1000))
+        ttl_ms = max(1000, round(3 * self._interval_s * 1000))  # three missed turns
         return bool(self._elect(keys=[SWEEPER], args=[self._owner, ttl_ms]))
 
     def sweep(self) -> int:

@@ -52,7 +52,8 @@ FLEET_ENV = {
     # Leases renewed every 2 s; a dead worker's running jobs wait up to 8 s for theirs.
     "LORAFLEET_LEASE_TTL_S": "8",
     "LORAFLEET_ENGINE_PROBE_S": "1",
-    "LORAFLEET_ENGINE_PROBE_TIMEOUT_S": "10",
+    # Generous: on a loaded 2-core machine a busy engine can take seconds to answer.
+    "LORAFLEET_ENGINE_PROBE_TIMEOUT_S": "30",
     "LORAFLEET_ENGINE_FAILURE_EXIT_S": "30",
     "LORAFLEET_SWEEP_INTERVAL_S": "1",
     "LORAFLEET_SWEEP_GRACE_S": "2",

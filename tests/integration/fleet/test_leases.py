@@ -7,18 +7,15 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections import Counter
+import time
 
 import pytest
 
 from contracts.errors import ErrorCode
+from contracts.keys import stream_key
+from lorafleet.processes import Child
 from tests.helpers import submit_job
-from tests.integration.fleet.conftest import (
-    FLEET_ENV,
-    Fleet,
-    StreamingCompletion,
-    kill_group,
-)
+from tests.integration.fleet.conftest import Fleet, StreamingCompletion, kill_group
 
 STREAMS = 10
 IN_POD = ["unshare", "--pid", "--fork", "--mount-proc"]
@@ -42,11 +39,11 @@ def test_redis_down_longer_than_heartbeats_and_leases_starts_no_second_attempt(
     for stream in streams:
         stream.start()
     jobs = [stream.started() for stream in streams]
-    fleet.wait_all_running(jobs)
+    deadline = time.monotonic() + 60
+    while not all(fleet.redis.xlen(stream_key(job_id)) for job_id in jobs):
+        assert time.monotonic() < deadline, "the jobs never all generated"
+        time.sleep(0.02)  # every job has streamed text: all are generating
     workers = fleet.workers()
-    running_on = Counter(fleet.job(job_id).worker for job_id in jobs)
-    for worker in workers:  # every job generating in some engine
-        fleet.wait_in_engine(worker, running_on[fleet.worker_id(worker)])
 
     fleet.stack.restart_redis(down_s=10)  # AOF on: keys whose expiry passed are gone after it
 
@@ -71,14 +68,18 @@ def test_redis_down_longer_than_heartbeats_and_leases_starts_no_second_attempt(
 def test_worker_restarted_as_the_same_host_and_pid_gets_its_predecessors_jobs_back(
     fleet: Fleet,
 ) -> None:
-    """A container restarted in its pod: same hostname, and its main process is pid 1 again.
-    The new process must not take its dead predecessor for itself: the jobs the predecessor
-    held go back to the queue at once (reaper), not after the visibility timeout (which would
-    outlast their deadline here)."""
+    """A container restarted in its pod: same hostname, and its main process is pid 1 again,
+    back before its predecessor's heartbeat expired (a long heartbeat here, so that nothing
+    but the new process could notice). The new process must not take its dead predecessor
+    for itself: it restores the jobs the predecessor held at its first reaper sweep."""
+    # Heartbeat expiry 4 x 30 + 2 s: longer than a restart, so no other reaper steps in.
+    in_pod = {"LORAFLEET_HEARTBEAT_S": "30", "LORAFLEET_VISIBILITY_TIMEOUT_S": "400"}
     others = fleet.workers()
     fleet.pause(others)
+    pod: list[Child] = []
     try:
-        first = fleet.spawn_worker(wrapper=IN_POD)
+        first = fleet.spawn_worker(in_pod, wrapper=IN_POD)
+        pod.append(first)
         first_id = fleet.stack.wait_worker(first)
         assert first_id.split(":")[1] == "1", first_id  # pid 1, as in a container
         jobs = [submit_job(fleet.api, fleet.alias)["id"] for _ in range(4)]
@@ -86,19 +87,21 @@ def test_worker_restarted_as_the_same_host_and_pid_gets_its_predecessors_jobs_ba
         assert {fleet.job(job_id).worker for job_id in jobs} == {first_id}
         kill_group(first)
 
-        second = fleet.spawn_worker(wrapper=IN_POD)
+        second = fleet.spawn_worker(in_pod, wrapper=IN_POD)
+        pod.append(second)
         second_id = fleet.stack.wait_worker(second)
         assert second_id.split(":")[:2] == first_id.split(":")[:2]  # same host, same pid
         assert second_id != first_id
+        deadline = time.monotonic() + 30
+        while any(fleet.job(job_id).worker != second_id for job_id in jobs):
+            assert time.monotonic() < deadline, [fleet.job(j).model_dump_json() for j in jobs]
+            time.sleep(0.1)
         for job_id in jobs:
             job = fleet.wait_finished(job_id)
             assert job.status == "succeeded", job.model_dump_json()
             assert (job.attempts, job.worker) == (2, second_id)
     finally:
         fleet.resume(others)
-    kill_group(second)
-    # What made the old behaviour fail here: only the visibility timeout would have handed
-    # the jobs back, after their deadline.
-    assert int(FLEET_ENV["LORAFLEET_VISIBILITY_TIMEOUT_S"]) > int(
-        FLEET_ENV["LORAFLEET_JOB_DEADLINE_S"]
-    )
+        for worker in pod:
+            if worker.alive():
+                kill_group(worker)
