@@ -22,6 +22,7 @@ they add up to (README, "Delivery guarantees"):
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from typing import Any
@@ -34,6 +35,7 @@ from celery.signals import (
     worker_shutdown,
     worker_shutting_down,
 )
+from kombu.transport.redis import QoS as RedisQoS
 
 from contracts.queues import ALL_QUEUES
 from contracts.telemetry import SENTRY_OPTIONS
@@ -67,6 +69,35 @@ app.conf.update(
     task_default_queue=ALL_QUEUES[0],
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
+)
+
+
+def _keep_unacked_when_the_connection_is_gone(original: Any) -> Any:
+    """kombu 5.7 / Celery 5.7: when Redis goes away, Celery collects the broken connection
+    (its transport forgets its client) and then closes it; closing the channel tries to put
+    its unacknowledged deliveries back on their queues through that forgotten client and
+    raises ``AttributeError``, which Celery treats as unrecoverable: the worker exits. Those
+    deliveries are jobs still running here (their outcome is stored once Redis is back);
+    putting them back would only hand them to another worker, which would wait for their
+    lease. So they are left where they are: acknowledged after reconnecting or, failing that,
+    returned by the visibility timeout as duplicates of finished jobs (dropped)."""
+
+    @functools.wraps(original)
+    def restore_unacked(self: Any, client: Any = None) -> Any:
+        if client is None and getattr(self.channel.connection, "client", None) is None:
+            log.warning(
+                "broker connection lost: %d running job(s) keep their deliveries",
+                len(self._delivered),
+            )
+            self._delivered.clear()
+            return None
+        return original(self, client)
+
+    return restore_unacked
+
+
+RedisQoS.restore_unacked = _keep_unacked_when_the_connection_is_gone(  # type: ignore[method-assign]
+    RedisQoS.restore_unacked
 )
 
 _runtime: WorkerRuntime | None = None

@@ -101,12 +101,17 @@ class Fleet:
         return f"{worker.name}@{socket.gethostname()}"
 
     def pause(self, workers: list[Child]) -> None:
+        """``workers`` stop consuming the queue (each must answer)."""
         nodes = [self.node(worker) for worker in workers]
-        assert len(self.control.cancel_consumer(QUEUE, destination=nodes, reply=True)) == len(nodes)
+        if nodes:  # an empty destination would address every worker
+            replies = self.control.cancel_consumer(QUEUE, destination=nodes, reply=True)
+            assert len(replies) == len(nodes), replies
 
     def resume(self, workers: list[Child]) -> None:
         nodes = [self.node(worker) for worker in workers]
-        assert len(self.control.add_consumer(QUEUE, destination=nodes, reply=True)) == len(nodes)
+        if nodes:
+            replies = self.control.add_consumer(QUEUE, destination=nodes, reply=True)
+            assert len(replies) == len(nodes), replies
 
     def job(self, job_id: str) -> JobPublic:
         return job_record(self.redis, job_id)
