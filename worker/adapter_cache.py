@@ -9,6 +9,7 @@ entry whose files no longer hash to their digest is moved to ``<root>/quarantine
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -33,7 +34,7 @@ from contracts.digests import CHUNK_BYTES, DIGEST_PREFIX, FileEntry, Manifest, m
 from contracts.errors import ErrorCode
 from contracts.storage import blob_key, manifest_key
 from worker import metrics
-from worker.deadlines import passed, remaining_s
+from worker.deadlines import remaining_s
 from worker.errors import AdapterIntegrityError, AdapterUnavailableError, JobFailure
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class AdapterCache:
         max_bytes: int,
         wait_s: float = 60.0,
         stream_attempts: int = 3,
+        max_downloads: int = 8,
     ) -> None:
         self._root = root
         self._stream_attempts = stream_attempts
@@ -139,7 +141,11 @@ class AdapterCache:
         # Quarantined copies of a digest, deleted when its last hold is released.
         self._quarantined: dict[str, list[Path]] = {}
         self._reserved = 0
-        self._locks: dict[str, threading.Lock] = {}
+        # One download per digest at a time; jobs wait for it, each until its own deadline.
+        self._downloads: dict[str, concurrent.futures.Future[Fetched]] = {}
+        self._fetcher = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_downloads, thread_name_prefix="adapter-download"
+        )
         self._scan()
 
     def _scan(self) -> None:
@@ -156,6 +162,10 @@ class AdapterCache:
         with self._cond:
             self._evict_until(0)
         metrics.RESIDENT.labels("disk").set(len(self._entries))
+
+    def close(self) -> None:
+        """Stop taking downloads (one under way finishes on its own thread)."""
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
 
     @property
     def max_bytes(self) -> int:
@@ -201,31 +211,43 @@ class AdapterCache:
             self._entries.move_to_end(digest)
             return True
 
-    def _lock_for(self, digest: str) -> threading.Lock:
-        with self._cond:
-            return self._locks.setdefault(digest, threading.Lock())
-
     def ensure(self, digest: str, deadline_at: float | None = None) -> Fetched:
         """Make ``digest`` present on disk, downloading and verifying it if needed.
 
-        Returns the verified digest of the written files when this call downloaded them;
-        ``loaded_digest`` is ``None`` when the files were already on disk (verify them before
-        trusting them: see ``verify``). Waiting for another job's download of the same digest,
-        for disk space and between S3 retries ends by ``deadline_at`` (unix time): the job
-        then fails ``deadline_exceeded``.
+        Returns the verified digest of the written files when this call's download wrote
+        them; ``loaded_digest`` is ``None`` when the files were already on disk (verify them
+        before trusting them: see ``verify``). One download per digest however many jobs
+        ask: they all wait for it, each no later than its ``deadline_at`` (unix time), then
+        fail ``deadline_exceeded``; the download goes on (S3 retries, disk space) for the jobs
+        still waiting and those to come.
         """
         if self._touch(digest):
             return Fetched(self.path_for(digest), None, None, None)
-        lock = self._lock_for(digest)
-        wait_s = remaining_s(deadline_at)
-        if not lock.acquire(timeout=-1 if wait_s is None else wait_s):
-            raise _late("waited for another job's download of its adapter")
+        with self._cond:
+            download = self._downloads.get(digest)
+            started = download is None
+            if download is None:
+                download = self._fetcher.submit(self._download_once, digest)
+                self._downloads[digest] = download
         try:
-            if self._touch(digest):
+            fetched = download.result(timeout=remaining_s(deadline_at))
+        except concurrent.futures.TimeoutError:
+            raise _late("waited for its adapter's download") from None
+        except JobFailure as failure:
+            raise failure.copy() from failure
+        if started:
+            return fetched
+        # Another job's download: the files are verified, but this job did not time them.
+        return Fetched(fetched.path, fetched.loaded_digest, None, None)
+
+    def _download_once(self, digest: str) -> Fetched:
+        try:
+            if self._touch(digest):  # a download that finished just before this one began
                 return Fetched(self.path_for(digest), None, None, None)
-            return self._download(digest, deadline_at)
+            return self._download(digest)
         finally:
-            lock.release()
+            with self._cond:
+                self._downloads.pop(digest, None)
 
     def verify(self, digest: str) -> tuple[str, float]:
         """Re-hash the files on disk; on mismatch quarantine them and fail closed.
@@ -278,21 +300,17 @@ class AdapterCache:
             log.info("disk cache evicted %s", digest)
         return used + needed <= self._max_bytes
 
-    def _reserve(self, digest: str, size: int, deadline_at: float | None) -> None:
+    def _reserve(self, digest: str, size: int) -> None:
         if size > self._max_bytes:
             raise AdapterUnavailableError(
                 f"Revision {digest} is {size} bytes, more than this worker's disk cache "
                 f"({self._max_bytes} bytes)."
             )
-        wait_s = self._wait_s
-        job_s = remaining_s(deadline_at)
-        deadline = time.monotonic() + (wait_s if job_s is None else min(wait_s, job_s))
+        deadline = time.monotonic() + self._wait_s
         with self._cond:
             while not self._evict_until(size):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    if passed(deadline_at):
-                        raise _late("waited for disk cache space for its adapter")
                     raise AdapterUnavailableError(
                         f"The disk cache is full of adapters in use; {digest} could not be "
                         f"fetched within {self._wait_s:.0f} s."
@@ -300,14 +318,14 @@ class AdapterCache:
                 self._cond.wait(remaining)
             self._reserved += size
 
-    def _download(self, digest: str, deadline_at: float | None) -> Fetched:
+    def _download(self, digest: str) -> Fetched:
         start = time.perf_counter()
         manifest = self._fetch_manifest(digest)
-        self._reserve(digest, manifest.size_bytes, deadline_at)
+        self._reserve(digest, manifest.size_bytes)
         tmp = self._root / "tmp" / f"{digest.removeprefix(DIGEST_PREFIX)}.{uuid.uuid4().hex}"
         try:
             tmp.mkdir()
-            observed = tuple(self._fetch_file(entry, tmp, deadline_at) for entry in manifest.files)
+            observed = tuple(self._fetch_file(entry, tmp) for entry in manifest.files)
             fetch_ms = _ms(start)
             verify_start = time.perf_counter()
             loaded = Manifest(files=observed).digest()
@@ -375,18 +393,13 @@ class AdapterCache:
                 )
         return manifest
 
-    def _fetch_file(
-        self, entry: FileEntry, directory: Path, deadline_at: float | None = None
-    ) -> FileEntry:
+    def _fetch_file(self, entry: FileEntry, directory: Path) -> FileEntry:
         """Stream one blob to disk, hashing as it arrives; returns what was observed.
 
         botocore retries failed requests itself; a connection that breaks mid-body is retried
-        here, from the start, up to ``stream_attempts`` times with jittered backoff, and not
-        past ``deadline_at``.
+        here, from the start, up to ``stream_attempts`` times with jittered backoff.
         """
         for attempt in range(1, self._stream_attempts + 1):
-            if passed(deadline_at):
-                raise _late(f"downloaded {entry.path} of its adapter")
             try:
                 return self._stream_file(entry, directory)
             except _StreamBroken as broken:
@@ -395,9 +408,7 @@ class AdapterCache:
                         f"Download of {entry.path} failed {attempt} times: {broken}"
                     ) from broken
                 log.warning("download of %s broke (%s); retrying", entry.path, broken)
-                pause = random.uniform(0.5, 1.0) * 0.2 * 2**attempt
-                job_s = remaining_s(deadline_at)
-                time.sleep(pause if job_s is None else min(pause, job_s))
+                time.sleep(random.uniform(0.5, 1.0) * 0.2 * 2**attempt)
         raise AssertionError("unreachable")
 
     def _stream_file(self, entry: FileEntry, directory: Path) -> FileEntry:

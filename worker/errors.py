@@ -18,6 +18,13 @@ class JobFailure(Exception):
         # What the worker observed before failing (set by the runner).
         self.metadata: ResultMetadata | None = None
 
+    def copy(self) -> JobFailure:
+        """The same failure for another job (one shared download failing all its waiters):
+        each job gets its own, to carry its own metadata."""
+        again = JobFailure(self.code, self.message)
+        again.__class__ = type(self)
+        return again
+
 
 class AdapterIntegrityError(JobFailure):
     def __init__(self, message: str) -> None:

@@ -397,3 +397,4 @@ class WorkerRuntime:
             log.warning("could not withdraw worker record: %s", exc)
         self.host.shutdown()
         self._pinned_holds.close()
+        self.cache.close()
