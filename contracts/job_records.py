@@ -121,38 +121,54 @@ return 1
 """Start an attempt: the record becomes ``running`` with ``attempts`` counted and the lease
 is taken, only if nobody wrote since the claimant read the record and no lease is held."""
 
-RENEW = f"""
--- KEYS: per attempt, its lease and its job record. ARGV: 1 lease ttl (ms), then per attempt
--- its lease value and its attempt number. Returns the 1-based positions of lost attempts.
-local lost = {{}}
-for i = 1, #KEYS / 2 do
-  local lease, job = KEYS[2 * i - 1], KEYS[2 * i]
-  local value, attempt = ARGV[2 * i], ARGV[2 * i + 1]
+HOLDS_LUA = f"""
+local function holds(lease, job, value, ttl)
   local holder = redis.call('GET', lease)
-  if holder == value then
-    redis.call('PEXPIRE', lease, ARGV[1])
-  elseif not holder and redis.call('HGET', job, 'status') == '{JobStatus.RUNNING.value}'
+  if holder == value then return true end
+  if holder then return false end
+  -- Expired while Redis was away (or restarted): if the record says this attempt still runs
+  -- the job and nobody claimed it since, the lease is taken back.
+  local attempt = string.match(value, '|(%d+)$')
+  if redis.call('HGET', job, 'status') == '{JobStatus.RUNNING.value}'
       and redis.call('HGET', job, 'attempts') == attempt then
-    -- Expired while Redis was away (or restarted): the record says this attempt still runs
-    -- the job and nobody claimed it since, so the lease is taken back.
-    redis.call('SET', lease, value, 'PX', ARGV[1])
+    redis.call('SET', lease, value, 'PX', ttl)
+    return true
+  end
+  return false
+end
+"""
+"""Lua: does the attempt named by ``value`` (``worker|attempt``) hold the job's lease?"""
+
+RENEW = (
+    HOLDS_LUA
+    + """
+-- KEYS: per attempt, its lease and its job record. ARGV: 1 lease ttl (ms), then per attempt
+-- its lease value. Returns the 1-based positions of the attempts that lost their lease.
+local lost = {}
+for i = 1, #KEYS / 2 do
+  local lease, job, value = KEYS[2 * i - 1], KEYS[2 * i], ARGV[i + 1]
+  if holds(lease, job, value, ARGV[1]) then
+    redis.call('PEXPIRE', lease, ARGV[1])
   else
     table.insert(lost, i)
   end
 end
 return lost
 """
+)
 """Keep the leases of the attempts a worker runs; report those it no longer holds."""
 
-APPEND_DELTAS = """
--- KEYS: per job, its stream and its lease. ARGV: 1 stream ttl (s), then per job the lease
--- value and the text. Entries are tagged with the lease value: it names one execution.
--- Returns the 1-based positions refused.
+APPEND_DELTAS = (
+    HOLDS_LUA
+    + """
+-- KEYS: per job, its stream, its lease and its record. ARGV: 1 stream ttl (s), 2 lease ttl
+-- (ms), then per job the lease value and the text. Entries are tagged with the lease value:
+-- it names one execution. Returns the 1-based positions refused.
 local refused = {}
-for i = 1, #KEYS / 2 do
-  local stream, lease = KEYS[2 * i - 1], KEYS[2 * i]
-  local value, text = ARGV[2 * i], ARGV[2 * i + 1]
-  if redis.call('GET', lease) == value then
+for i = 1, #KEYS / 3 do
+  local stream, lease, job = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local value, text = ARGV[2 * i + 1], ARGV[2 * i + 2]
+  if holds(lease, job, value, ARGV[2]) then
     redis.call('XADD', stream, '*', 'attempt', value, 'text', text)
     redis.call('EXPIRE', stream, ARGV[1])
   else
@@ -161,6 +177,7 @@ for i = 1, #KEYS / 2 do
 end
 return refused
 """
+)
 """Append streamed text for attempts that still hold their job's lease."""
 
 
@@ -225,31 +242,35 @@ def claim_call(
         str(expect_attempts),
         str(job.attempts),
         lease,
-        max(1, round(lease_ttl_s * 1000)),
+        _ms(lease_ttl_s),
         ttl_s,
     ]
     return keys, args
 
 
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
 def renew_call(
-    attempts: list[tuple[str, str, int]], lease_ttl_s: float
+    leases: list[tuple[str, str]], lease_ttl_s: float
 ) -> tuple[list[str], list[str | int]]:
-    """``(keys, args)`` of ``RENEW`` for ``(job id, lease value, attempt)`` triples."""
+    """``(keys, args)`` of ``RENEW`` for ``(job id, lease value)`` pairs."""
     keys: list[str] = []
-    args: list[str | int] = [max(1, round(lease_ttl_s * 1000))]
-    for job_id, lease, attempt in attempts:
+    args: list[str | int] = [_ms(lease_ttl_s)]
+    for job_id, lease in leases:
         keys += [lease_key(job_id), job_key(job_id)]
-        args += [lease, str(attempt)]
+        args.append(lease)
     return keys, args
 
 
 def append_call(
-    deltas: list[tuple[str, str, str]], stream_ttl_s: int
+    deltas: list[tuple[str, str, str]], stream_ttl_s: int, lease_ttl_s: float
 ) -> tuple[list[str], list[str | int]]:
     """``(keys, args)`` of ``APPEND_DELTAS`` for ``(job id, lease value, text)`` triples."""
     keys: list[str] = []
-    args: list[str | int] = [stream_ttl_s]
+    args: list[str | int] = [stream_ttl_s, _ms(lease_ttl_s)]
     for job_id, lease, text in deltas:
-        keys += [stream_key(job_id), lease_key(job_id)]
+        keys += [stream_key(job_id), lease_key(job_id), job_key(job_id)]
         args += [lease, text]
     return keys, args

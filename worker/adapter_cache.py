@@ -31,10 +31,9 @@ from pydantic import ValidationError
 from urllib3.exceptions import HTTPError
 
 from contracts.digests import CHUNK_BYTES, DIGEST_PREFIX, FileEntry, Manifest, manifest_of
-from contracts.errors import ErrorCode
 from contracts.storage import blob_key, manifest_key
 from worker import metrics
-from worker.deadlines import remaining_s
+from worker.deadlines import late, remaining_s
 from worker.errors import AdapterIntegrityError, AdapterUnavailableError, JobFailure
 
 log = logging.getLogger(__name__)
@@ -52,12 +51,6 @@ class Fetched:
 
 def _ms(start: float) -> float:
     return round((time.perf_counter() - start) * 1000, 3)
-
-
-def _late(doing: str) -> JobFailure:
-    return JobFailure(
-        ErrorCode.DEADLINE_EXCEEDED, f"The job reached its deadline while it {doing}; not run."
-    )
 
 
 def _missing(error: ClientError) -> bool:
@@ -232,7 +225,7 @@ class AdapterCache:
         try:
             fetched = download.result(timeout=remaining_s(deadline_at))
         except concurrent.futures.TimeoutError:
-            raise _late("waited for its adapter's download") from None
+            raise late("waited for its adapter's download") from None
         except JobFailure as failure:
             raise failure.copy() from failure
         if started:

@@ -35,7 +35,8 @@ from celery.signals import (
     worker_shutdown,
     worker_shutting_down,
 )
-from kombu.transport.redis import QoS as RedisQoS
+from kombu.transport.redis import Channel as RedisChannel
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from contracts.queues import ALL_QUEUES
 from contracts.telemetry import SENTRY_OPTIONS
@@ -72,33 +73,26 @@ app.conf.update(
 )
 
 
-def _keep_unacked_when_the_connection_is_gone(original: Any) -> Any:
-    """kombu 5.7 / Celery 5.7: when Redis goes away, Celery collects the broken connection
-    (its transport forgets its client) and then closes it; closing the channel tries to put
-    its unacknowledged deliveries back on their queues through that forgotten client and
-    raises ``AttributeError``, which Celery treats as unrecoverable: the worker exits. Those
-    deliveries are jobs still running here (their outcome is stored once Redis is back);
-    putting them back would only hand them to another worker, which would wait for their
-    lease. So they are left where they are: acknowledged after reconnecting or, failing that,
-    returned by the visibility timeout as duplicates of finished jobs (dropped)."""
+def _refuse_when_detached(original: Any) -> Any:
+    """kombu 5.7 / Celery 5.7: when Redis goes away, Celery collects the broken connection (its
+    transport forgets its client) while jobs still run. Everything the old channel then does
+    through that forgotten client (put its unacknowledged deliveries back as it closes, ack a
+    job that finishes after the reconnect) raises ``AttributeError``, which Celery takes for
+    unrecoverable: the worker exits. Raised as the connection error it is, Celery and kombu
+    handle it: the deliveries stay where they are (the jobs store their outcome once Redis is
+    back) until the visibility timeout returns them, as duplicates of finished jobs that a
+    worker drops; none is handed to a second worker while its job runs."""
 
     @functools.wraps(original)
-    def restore_unacked(self: Any, client: Any = None) -> Any:
-        if client is None and getattr(self.channel.connection, "client", None) is None:
-            log.warning(
-                "broker connection lost: %d running job(s) keep their deliveries",
-                len(self._delivered),
-            )
-            self._delivered.clear()
-            return None
-        return original(self, client)
+    def _connparams(self: Any, asynchronous: bool = False) -> Any:
+        if self.connection is None or self.connection.client is None:
+            raise RedisConnectionError("this broker channel's connection is gone")
+        return original(self, asynchronous=asynchronous)
 
-    return restore_unacked
+    return _connparams
 
 
-RedisQoS.restore_unacked = _keep_unacked_when_the_connection_is_gone(  # type: ignore[method-assign]
-    RedisQoS.restore_unacked
-)
+RedisChannel._connparams = _refuse_when_detached(RedisChannel._connparams)  # type: ignore[method-assign]
 
 _runtime: WorkerRuntime | None = None
 

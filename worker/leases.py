@@ -52,7 +52,7 @@ class LeaseKeeper(Periodic):
         running = self._inflight.attempts()
         if not running:
             return []
-        leases = [(job_id, lease_value(self._worker_id, n), n) for job_id, n in running]
+        leases = [(job_id, lease_value(self._worker_id, n)) for job_id, n in running]
         keys, args = renew_call(leases, self._ttl_s)
         lost = [running[int(position) - 1][0] for position in self._renew(keys=keys, args=args)]
         for job_id in lost:

@@ -23,7 +23,7 @@ from contracts.errors import ErrorCode
 from contracts.jobs import LoadTimings, Residency
 from worker import metrics
 from worker.adapter_cache import AdapterCache
-from worker.deadlines import remaining_s
+from worker.deadlines import late, remaining_s
 from worker.engine import EngineFailed, EngineHost
 from worker.errors import AdapterIntegrityError, JobFailure
 
@@ -31,12 +31,6 @@ log = logging.getLogger(__name__)
 
 MAX_REFUSED = 1024
 """Refused adapters remembered per process (a digest each; the oldest is forgotten first)."""
-
-
-def _late(doing: str) -> JobFailure:
-    return JobFailure(
-        ErrorCode.DEADLINE_EXCEEDED, f"The job reached its deadline while it {doing}; not run."
-    )
 
 
 @dataclass(frozen=True)
@@ -173,7 +167,7 @@ class EngineAdapters:
         try:
             return self._host.run(self._listing.ask(), remaining_s(deadline_at))
         except TimeoutError:
-            raise _late("asked the engine which adapters it holds") from None
+            raise late("asked the engine which adapters it holds") from None
 
     def observe(self, digest: str, registered: set[int]) -> Residency:
         """Residency of ``digest`` given the engine's ``registered`` ids (just asked)."""
@@ -209,7 +203,7 @@ class EngineAdapters:
         lock = self._lock_for(digest)
         wait_s = remaining_s(deadline_at)
         if not lock.acquire(timeout=-1 if wait_s is None else wait_s):
-            raise _late("waited for another job to load its adapter")
+            raise late("waited for another job to load its adapter")
         try:
             # Asked again: another job may have loaded it while this one waited for the lock.
             if lora_id in self.registered(deadline_at) and lora_id in self._handed:
@@ -242,7 +236,7 @@ class EngineAdapters:
                 self._host.run(self._host.engine.add_lora(request), remaining_s(deadline_at))
                 return
             except TimeoutError:
-                raise _late("waited for the engine to load its adapter") from None
+                raise late("waited for the engine to load its adapter") from None
             except EngineFailed:
                 raise
             except Exception as exc:  # the engine's own refusal (it keeps serving the others)

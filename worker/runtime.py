@@ -111,7 +111,9 @@ class WorkerRuntime:
         self.host = EngineHost(EngineOptions.from_settings(settings))
         self.host.on_failure(self._engine_failed)
         self.adapters = EngineAdapters(self.host, self.cache, settings.max_loras)
-        self.deltas = DeltaPublisher(self.redis, self.worker_id, self.jobs.note_outage)
+        self.deltas = DeltaPublisher(
+            self.redis, self.worker_id, settings.lease_ttl_s, self.jobs.note_outage
+        )
         self.runner = JobRunner(
             self.host, self.cache, self.adapters, self.base_model, self.hostname, self.deltas
         )

@@ -9,9 +9,10 @@ gateway) skips what it already sent. The stream expires
 The engine loop hands each delta over without waiting (``publish``); one writer thread
 appends whatever accumulated, per job coalesced into one entry, for every job in one script
 call (``contracts.job_records.APPEND_DELTAS``), which refuses text from an attempt that no
-longer holds its job's lease. A Redis outage delays text, never drops or reorders it: the
-writer retries. ``flush`` waits until a job's text is all written, so the stream is complete
-before the outcome is stored (readers rely on that).
+longer holds its job's lease (and takes a lease that expired while Redis was away back for
+the attempt the record still names, as the lease keeper would). A Redis outage delays text,
+never drops or reorders it: the writer retries. ``flush`` waits until a job's text is all
+written, so the stream is complete before the outcome is stored (readers rely on that).
 """
 
 from __future__ import annotations
@@ -41,10 +42,15 @@ class StreamFenced(Exception):
 
 class DeltaPublisher:
     def __init__(
-        self, redis: Redis, worker_id: str, on_outage: Callable[[], None] = lambda: None
+        self,
+        redis: Redis,
+        worker_id: str,
+        lease_ttl_s: float,
+        on_outage: Callable[[], None] = lambda: None,
     ) -> None:
         self._redis = redis
         self._worker_id = worker_id
+        self._lease_ttl_s = lease_ttl_s
         self._on_outage = on_outage
         self._append = redis.register_script(APPEND_DELTAS)
         self._cond = threading.Condition()
@@ -127,6 +133,6 @@ class DeltaPublisher:
             (job_id, lease_value(self._worker_id, attempt), "".join(texts))
             for (job_id, attempt), texts in batch.items()
         ]
-        keys, args = append_call(deltas, STREAM_TTL_S)
+        keys, args = append_call(deltas, STREAM_TTL_S, self._lease_ttl_s)
         refused = self._append(keys=keys, args=args)
         return {order[int(position) - 1] for position in refused or ()}

@@ -1,0 +1,122 @@
+"""The lease scripts (claim, renew, fenced stream appends), run by a real Redis."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+from redis import Redis
+
+from contracts.job_records import (
+    ADVANCE,
+    APPEND_DELTAS,
+    CLAIM,
+    RENEW,
+    Advance,
+    advance_call,
+    append_call,
+    claim_call,
+    lease_value,
+    renew_call,
+)
+from contracts.jobs import JobPublic, JobStatus
+from contracts.keys import DEADLINES, job_key, lease_key, stream_key
+from contracts.queues import Tier
+
+TTL_S = 60.0
+
+
+def _queued(redis: Redis) -> JobPublic:
+    job = JobPublic(
+        id=uuid.uuid4().hex,
+        status=JobStatus.QUEUED,
+        adapter="a",
+        revision="sha256:" + "0" * 64,
+        tenant="t",
+        tier=Tier.HOT,
+        queue="lorafleet.hot",
+        created_at=datetime.now(tz=UTC),
+    )
+    redis.hset(
+        job_key(job.id),
+        mapping={"status": "queued", "record": job.model_dump_json(), "attempts": 0},
+    )
+    redis.zadd(DEADLINES, {job.id: 1.0})
+    return job
+
+
+def _claim(redis: Redis, job: JobPublic, worker: str) -> tuple[Advance, JobPublic]:
+    claimed = job.model_copy(
+        update={"status": JobStatus.RUNNING, "attempts": job.attempts + 1, "worker": worker}
+    )
+    keys, args = claim_call(claimed, job.attempts, lease_value(worker, claimed.attempts), TTL_S, 60)
+    return Advance(int(redis.register_script(CLAIM)(keys=keys, args=args))), claimed
+
+
+def _renew(redis: Redis, job: JobPublic, worker: str) -> bool:
+    keys, args = renew_call([(job.id, lease_value(worker, job.attempts))], TTL_S)
+    return not redis.register_script(RENEW)(keys=keys, args=args)
+
+
+def _append(redis: Redis, job: JobPublic, worker: str, text: str) -> bool:
+    keys, args = append_call([(job.id, lease_value(worker, job.attempts), text)], 60, TTL_S)
+    return not redis.register_script(APPEND_DELTAS)(keys=keys, args=args)
+
+
+def test_a_second_delivery_cannot_claim_while_the_first_attempt_holds_the_lease(
+    redis: Redis,
+) -> None:
+    job = _queued(redis)
+    outcome, running = _claim(redis, job, "w1:1:a")
+    assert outcome == Advance.WRITTEN
+    assert redis.get(lease_key(job.id)) == "w1:1:a|1"
+    # The same record, read by another worker: refused while the lease is held.
+    assert _claim(redis, job.model_copy(update={"attempts": 1}), "w2:2:b")[0] == Advance.LEASED
+    assert redis.hget(job_key(job.id), "attempts") == "1"
+    assert _renew(redis, running, "w1:1:a")
+
+
+def test_a_lease_lost_to_an_outage_is_taken_back_by_its_attempt_unless_claimed(
+    redis: Redis,
+) -> None:
+    job = _queued(redis)
+    _, running = _claim(redis, job, "w1:1:a")
+    redis.delete(lease_key(job.id))  # expired while Redis was down
+    assert _append(redis, running, "w1:1:a", "Hel")  # taken back, text appended
+    assert redis.get(lease_key(job.id)) == "w1:1:a|1"
+    redis.delete(lease_key(job.id))
+    assert _renew(redis, running, "w1:1:a")
+    # Now another attempt claims it (the lease expired and nobody took it back in time).
+    redis.delete(lease_key(job.id))
+    outcome, second = _claim(redis, running, "w2:2:b")
+    assert outcome == Advance.WRITTEN
+    assert not _renew(redis, running, "w1:1:a")  # lost: the first attempt must stop
+    assert not _append(redis, running, "w1:1:a", "lo")  # and its text is refused
+    assert _append(redis, second, "w2:2:b", "Hello")
+    entries = redis.xrange(stream_key(job.id))
+    assert [(f["attempt"], f["text"]) for _, f in entries] == [  # type: ignore[union-attr]
+        ("w1:1:a|1", "Hel"),
+        ("w2:2:b|2", "Hello"),
+    ]
+    # The first attempt's outcome is refused too: the counter is the second's.
+    done = running.model_copy(update={"status": JobStatus.SUCCEEDED})
+    keys, args = advance_call(done, 60, expect_attempts=running.attempts)
+    assert Advance(int(redis.register_script(ADVANCE)(keys=keys, args=args))) == Advance.CONFLICT
+
+
+def test_queued_again_or_finished_drops_the_lease_and_the_deadline_entry(redis: Redis) -> None:
+    job = _queued(redis)
+    _, running = _claim(redis, job, "w1:1:a")
+    released = running.model_copy(update={"status": JobStatus.QUEUED, "attempts": 0})
+    keys, args = advance_call(released, 60, expect_attempts=1)
+    assert Advance(int(redis.register_script(ADVANCE)(keys=keys, args=args))) == Advance.WRITTEN
+    assert not redis.exists(lease_key(job.id))
+    assert redis.zscore(DEADLINES, job.id) is not None  # still admitted, still due
+    outcome, running = _claim(redis, released, "w2:2:b")
+    assert outcome == Advance.WRITTEN and running.attempts == 1
+    done = running.model_copy(update={"status": JobStatus.FAILED})
+    keys, args = advance_call(done, 60, expect_attempts=1)
+    assert Advance(int(redis.register_script(ADVANCE)(keys=keys, args=args))) == Advance.WRITTEN
+    assert not redis.exists(lease_key(job.id))
+    assert redis.zscore(DEADLINES, job.id) is None
+    assert not _renew(redis, running, "w2:2:b")  # a finished job's lease is never taken back
