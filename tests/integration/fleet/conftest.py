@@ -59,6 +59,8 @@ FLEET_ENV = {
     "LORAFLEET_SWEEP_GRACE_S": "2",
 }
 QUEUE = queue_for(Tier.HOT)
+REPLY_S = 10.0
+"""How long a remote-control command waits for the workers' replies."""
 # Kombu's Redis transport keeps delivered, unacknowledged messages here.
 UNACKED = ("unacked", "unacked_index")
 
@@ -71,7 +73,6 @@ class Fleet:
         self.alias = alias
         self.api = api  # the stack's gateway, as its ``dev`` tenant
         self.redis = stack.redis()
-        self.control = Celery(broker=stack.redis_url).control
         self._spawned = 0
 
     def spawn_worker(
@@ -100,17 +101,26 @@ class Fleet:
     def node(worker: Child) -> str:
         return f"{worker.name}@{socket.gethostname()}"
 
+    def _control(self) -> Any:
+        # A fresh broker connection each time: one pooled before a Redis restart is dead.
+        return Celery(broker=self.stack.redis_url).control
+
     def pause(self, workers: list[Child]) -> None:
-        """``workers`` stop consuming the queue (each must answer)."""
+        """``workers`` stop consuming the queue (each must answer; a loaded machine answers
+        slowly, hence the long reply window)."""
         nodes = [self.node(worker) for worker in workers]
         if nodes:  # an empty destination would address every worker
-            replies = self.control.cancel_consumer(QUEUE, destination=nodes, reply=True)
+            replies = self._control().cancel_consumer(
+                QUEUE, destination=nodes, reply=True, timeout=REPLY_S
+            )
             assert len(replies) == len(nodes), replies
 
     def resume(self, workers: list[Child]) -> None:
         nodes = [self.node(worker) for worker in workers]
         if nodes:
-            replies = self.control.add_consumer(QUEUE, destination=nodes, reply=True)
+            replies = self._control().add_consumer(
+                QUEUE, destination=nodes, reply=True, timeout=REPLY_S
+            )
             assert len(replies) == len(nodes), replies
 
     def job(self, job_id: str) -> JobPublic:
