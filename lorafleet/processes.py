@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+import psutil
+
 PR_SET_PDEATHSIG = 1
 _LINUX = sys.platform.startswith("linux")
 # Resolved here, in the parent: the child between fork and exec must not load libraries.
@@ -35,10 +37,17 @@ class Child:
     name: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    started_at: float | None = None
+    """When the kernel started it (``psutil``'s create time): tells it from a later process
+    that got the same pid once it was gone (pids are reused, fast on a busy machine)."""
 
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM its process group, then SIGKILL what is left after ``timeout_s``."""
+        stop_group(self.pid, timeout_s, self.process, self.started_at)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -82,7 +91,15 @@ def spawn(
             start_new_session=True,
             preexec_fn=_terminate_with_parent if die_with_parent and _LINUX else None,
         )
-    return Child(name=name, process=process, log_path=log_path)
+    return Child(name=name, process=process, log_path=log_path, started_at=created_at(process.pid))
+
+
+def created_at(pid: int) -> float | None:
+    """The kernel's start time of ``pid`` (``None`` if it is gone already)."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
 
 
 def interrupt_on_signal(signum: int, _: FrameType | None) -> None:
@@ -113,10 +130,29 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def still_ours(pgid: int, started_at: float | None) -> bool:
+    """Group ``pgid`` is still the one whose leader started at ``started_at``. A pid that is
+    still some group's id is never given to a new process, so the group is ours while a
+    member lives; once all are gone the pid may be reused, by a new leader of its own group
+    (another program's server, say) whose start time then differs."""
+    if started_at is None:
+        return True
+    leader = created_at(pgid)
+    return leader is None or abs(leader - started_at) < 0.05
+
+
 def stop_group(
-    pgid: int, timeout_s: float = 30.0, process: subprocess.Popen[bytes] | None = None
+    pgid: int,
+    timeout_s: float = 30.0,
+    process: subprocess.Popen[bytes] | None = None,
+    started_at: float | None = None,
 ) -> None:
-    """SIGTERM the process group, wait up to ``timeout_s``, then SIGKILL what is left."""
+    """SIGTERM the process group, wait up to ``timeout_s``, then SIGKILL what is left.
+
+    With ``started_at`` (the leader's start time), a group whose pid another program got
+    since is left alone."""
+    if not still_ours(pgid, started_at):
+        return
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
@@ -128,6 +164,8 @@ def stop_group(
         if not group_alive(pgid):
             return
         time.sleep(0.1)
+    if not still_ours(pgid, started_at):
+        return
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:

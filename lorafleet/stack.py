@@ -25,7 +25,7 @@ from contracts.errors import ErrorCode
 from contracts.keys import WORKERS_INDEX, worker_key
 from contracts.redis_policy import sync_options
 from contracts.tenants import ALL_ADAPTERS
-from lorafleet.processes import Child, free_port, spawn, stop_group, wait_until
+from lorafleet.processes import Child, free_port, spawn, still_ours, stop_group, wait_until
 from lorafleet.publish import Publisher
 from lorafleet.registry import Registry, RegistryError
 from lorafleet.settings import LocalSettings
@@ -162,7 +162,7 @@ class LocalStack:
         if not self._redis_port:
             raise RuntimeError("this stack does not run its own Redis")
         server = next(child for child in self.children if child.name == "redis")
-        stop_group(server.pid, timeout_s=30, process=server.process)
+        server.stop(timeout_s=30)
         self.children.remove(server)
         time.sleep(down_s)
         self._start_valkey()
@@ -315,6 +315,7 @@ class LocalStack:
             "model": str(self.model),
             "logs": str(self.log_dir),
             "pids": {child.name: child.pid for child in self.children},
+            "started": {child.name: child.started_at for child in self.children},
         }
 
     def _write_state(self) -> None:
@@ -326,7 +327,7 @@ class LocalStack:
     def stop(self) -> None:
         """Stop services before infrastructure (the worker drains against a live Redis)."""
         for child in reversed(self.children):
-            stop_group(child.pid, timeout_s=60, process=child.process)
+            child.stop(timeout_s=60)
         self.children.clear()
         if self._redis is not None:
             self._redis.close()
@@ -346,14 +347,17 @@ def stop_recorded(stack_file: Path) -> list[str]:
     if not stack_file.exists():
         return []
     state = json.loads(stack_file.read_text())
+    started = state.get("started", {})
     stopped = []
     for name, pid in reversed(list(state.get("pids", {}).items())):
         try:
             leads_group = os.getpgid(int(pid)) == int(pid)
         except ProcessLookupError:
             continue
-        if leads_group:  # a reused pid would not lead its own group: never signal it
-            stop_group(int(pid), timeout_s=60)
+        # Never signal a pid someone else got since: it must lead its own group, and have
+        # started when ours did (where the state file recorded that).
+        if leads_group and still_ours(int(pid), started.get(name)):
+            stop_group(int(pid), timeout_s=60, started_at=started.get(name))
             stopped.append(name)
     stack_file.unlink(missing_ok=True)
     return stopped

@@ -16,7 +16,6 @@ from contracts.jobs import JobMessage, JobPublic, JobStatus, Sampling
 from contracts.keys import job_key
 from contracts.queues import RUN_JOB_TASK
 from contracts.registry import AdapterRecord
-from lorafleet.processes import stop_group
 from lorafleet.stack import LocalStack
 from tests.conftest import STACK_ENV
 from tests.helpers import hot_alias, job_when
@@ -85,7 +84,7 @@ def test_an_unexpected_worker_error_reaches_sentry_tagged_and_without_the_prompt
                 time.sleep(0.2)
             events = sentry_events(received)
         finally:
-            stop_group(worker.pid, process=worker.process)
+            worker.stop()
     expected = {
         "job_id": job.id,
         "tenant": "dev",
