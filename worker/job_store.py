@@ -171,23 +171,34 @@ class JobStore:
         keys, args = claim_call(claimed, expect_attempts, lease, self._lease_ttl_s, self._ttl_s)
         return Advance(int(self._patiently(lambda: self._claim(keys=keys, args=args))))
 
-    def release(self, job: JobPublic, engine_failed_under_it: bool = False) -> bool:
-        """Give a running attempt back (worker draining, or its engine failed): ``queued``,
-        the attempt uncounted, the lease dropped. ``engine_failed_under_it``: the engine died
-        while this job was generating, which is counted (``engine_failures``) so that a job
-        that kills every engine it runs on is stopped all the same.
+    def release(self, job: JobPublic) -> bool:
+        """Give a running attempt back (worker draining): ``queued``, the attempt uncounted,
+        the lease dropped. Only if no other write happened since ``job`` was claimed."""
+        queued = job.model_copy(
+            update={"status": JobStatus.QUEUED, "attempts": job.attempts - 1, "started_at": None}
+        )
+        return self._write(queued, expect_attempts=job.attempts) == Advance.WRITTEN
 
-        Only if no other write happened since ``job`` was claimed.
-        """
+    def survive_engine(
+        self, job: JobPublic, under_it: bool, max_attempts: int
+    ) -> ClaimOutcome | None:
+        """The engine running ``job`` failed: give the attempt back uncounted (``RUN``: it may
+        run elsewhere), or, if it was generating under the engine (``under_it``) as many times
+        as it may, end it ``attempts_exhausted`` (``EXHAUSTED``). ``None``: someone wrote
+        since the claim (a cancellation, say), and that stands."""
+        engine_failures = job.engine_failures + int(under_it)
         queued = job.model_copy(
             update={
                 "status": JobStatus.QUEUED,
                 "attempts": job.attempts - 1,
                 "started_at": None,
-                "engine_failures": job.engine_failures + int(engine_failed_under_it),
+                "engine_failures": engine_failures,
             }
         )
-        return self._write(queued, expect_attempts=job.attempts) == Advance.WRITTEN
+        exhausted = _exhausted(queued, max_attempts)
+        outcome = ClaimOutcome.RUN if exhausted is None else ClaimOutcome.EXHAUSTED
+        written = self._write(exhausted or queued, expect_attempts=job.attempts)
+        return outcome if written == Advance.WRITTEN else None
 
     def succeed(self, job: JobPublic, result: JobResult, metadata: ResultMetadata) -> bool:
         """Store the result of attempt ``job.attempts``, if it is still the current one."""

@@ -10,7 +10,7 @@ running waits for that attempt's lease instead of running it twice.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NoReturn
 
 import sentry_sdk
 from celery.exceptions import Reject
@@ -49,7 +49,7 @@ def run_job(payload: dict[str, Any]) -> None:
         rt.held.finished(delivery)
 
 
-def _hand_back(rt: WorkerRuntime, why: str) -> None:
+def _hand_back(rt: WorkerRuntime, why: str) -> NoReturn:
     """Back to the queue for another worker, once this one takes no more jobs (or it might
     receive the same message again)."""
     rt.consumption_stopped(timeout_s=rt.settings.engine_failure_exit_s)
@@ -113,18 +113,22 @@ def _attempt(rt: WorkerRuntime, message: JobMessage, running: JobPublic) -> None
                 # Cancelled: the record says so. Lease lost: another attempt owns the job.
                 log.info("job %s stopped while running: %s", message.job_id, stopped.reason)
                 return
-            under_it = stopped.reason == StopReason.ENGINE_FAILED and handle.in_engine
-            released = rt.jobs.release(running, engine_failed_under_it=under_it)
-            log.warning(
-                "job %s handed back: %s (in the engine: %s, last chance: %s, released: %s)",
-                message.job_id,
-                stopped,
-                handle.in_engine,
-                last_chance,
-                released,
-            )
             if stopped.reason == StopReason.ENGINE_FAILED:
+                given = rt.jobs.survive_engine(running, handle.in_engine, rt.settings.max_attempts)
+                log.warning(
+                    "job %s: engine failed (in the engine: %s, last chance: %s): %s",
+                    message.job_id,
+                    handle.in_engine,
+                    last_chance,
+                    "handed back" if given == ClaimOutcome.RUN else given or "already written",
+                )
+                if given == ClaimOutcome.EXHAUSTED:
+                    metrics.job_finished(message, "failed", ErrorCode.ATTEMPTS_EXHAUSTED, None)
+                if given != ClaimOutcome.RUN:
+                    return  # ended here, or by another writer: nothing to hand back
                 _hand_back(rt, "this worker's engine failed")
+            released = rt.jobs.release(running)
+            log.warning("job %s handed back at shutdown (released=%s)", message.job_id, released)
             raise Reject("worker shutting down", requeue=True) from None
         except JobFailure as failure:
             log.warning("job %s failed: %s %s", message.job_id, failure.code, failure.message)
