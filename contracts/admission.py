@@ -8,7 +8,9 @@ terminal state (``contracts.job_records.ADVANCE`` removes it in the same script 
 the outcome, so the release happens once however often the job is delivered). A sorted set,
 not a counter: removing a job twice is harmless, a count can't go negative, and an entry whose
 job can no longer finish (its record expired, no worker ever came) drops out at its expiry,
-``deadline + LEDGER_GRACE_S``, instead of holding a slot forever.
+``deadline + LEDGER_GRACE_S``, instead of holding a slot forever. Admission also indexes the
+job by its deadline (``DEADLINES``), for the sweeper that ends jobs no worker finished
+(``worker.sweeper``); the terminal write removes it there too.
 """
 
 from __future__ import annotations
