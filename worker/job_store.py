@@ -214,15 +214,17 @@ class JobStore:
         """Fail ``job`` ``deadline_exceeded`` as it is now (the deadline sweeper), saying where
         it was last seen; only if nothing else wrote to it since it was read."""
         if job.status == JobStatus.RUNNING:
-            where = f"running on worker {job.worker} (attempt {job.attempts})"
+            where = f"was running on worker {job.worker} (attempt {job.attempts})"
         elif job.attempts:
-            where = f"queued on {job.queue} again after {job.attempts} attempt(s)"
+            where = f"waited in the queue ({job.queue}) again after {job.attempts} attempt(s)"
         else:
-            where = f"queued on {job.queue}, never started"
+            # The phrase the worker uses when it meets such a job first: whoever ends it, the
+            # message says the same thing.
+            where = f"waited in the queue ({job.queue}) and never started"
         deadline = job.deadline_at.isoformat() if job.deadline_at else "its deadline"
         error = ErrorBody(
             code=ErrorCode.DEADLINE_EXCEEDED,
-            message=f"The job's deadline ({deadline}) passed while it was {where}; no worker "
+            message=f"The job's deadline ({deadline}) passed while it {where}; no worker "
             "finished it, so the deadline sweeper ended it.",
         )
         done = _finished(job, JobStatus.FAILED, error=error, metadata=job.metadata)

@@ -85,7 +85,7 @@ def test_jobs_admitted_but_never_enqueued_end_at_their_deadline(
             ended = job_when(redis, job.id, lambda j: j.status.terminal, timeout_s=60)
             assert ended.status == "failed", ended.model_dump_json()
             assert ended.error is not None and ended.error.code == "deadline_exceeded"
-            assert f"queued on {job.queue}, never started" in ended.error.message
+            assert f"waited in the queue ({job.queue}) and never started" in ended.error.message
             assert ended.attempts == 0
         completed = api.get(f"/v1/batches/{batch_id}").json()
         assert completed["status"] == "completed"

@@ -101,27 +101,27 @@ class Fleet:
     def node(worker: Child) -> str:
         return f"{worker.name}@{socket.gethostname()}"
 
-    def _control(self) -> Any:
-        # A fresh broker connection each time: one pooled before a Redis restart is dead.
-        return Celery(broker=self.stack.redis_url).control
+    def _broadcast(self, command: str, workers: list[Child]) -> None:
+        """``command`` (cancel_consumer, add_consumer) to ``workers``; each must answer (a
+        loaded machine answers slowly, hence the long reply window)."""
+        nodes = [self.node(worker) for worker in workers]
+        if not nodes:  # an empty destination would address every worker
+            return
+        app = Celery(broker=self.stack.redis_url)
+        # A connection of its own: Celery's pool is kombu's process-wide one, keyed by URL,
+        # and a connection pooled before a Redis restart fails its next health check.
+        with app.connection_for_write() as connection:
+            replies = getattr(app.control, command)(
+                QUEUE, destination=nodes, reply=True, timeout=REPLY_S, connection=connection
+            )
+        assert len(replies) == len(nodes), replies
 
     def pause(self, workers: list[Child]) -> None:
-        """``workers`` stop consuming the queue (each must answer; a loaded machine answers
-        slowly, hence the long reply window)."""
-        nodes = [self.node(worker) for worker in workers]
-        if nodes:  # an empty destination would address every worker
-            replies = self._control().cancel_consumer(
-                QUEUE, destination=nodes, reply=True, timeout=REPLY_S
-            )
-            assert len(replies) == len(nodes), replies
+        """``workers`` stop consuming the queue."""
+        self._broadcast("cancel_consumer", workers)
 
     def resume(self, workers: list[Child]) -> None:
-        nodes = [self.node(worker) for worker in workers]
-        if nodes:
-            replies = self._control().add_consumer(
-                QUEUE, destination=nodes, reply=True, timeout=REPLY_S
-            )
-            assert len(replies) == len(nodes), replies
+        self._broadcast("add_consumer", workers)
 
     def job(self, job_id: str) -> JobPublic:
         return job_record(self.redis, job_id)
