@@ -12,6 +12,8 @@ ADMISSIONS_REFUSED = "lorafleet_admissions_refused_total"
 ADAPTER_REQUESTS = "lorafleet_adapter_requests_total"
 # Gateway (cancellations) and worker (everything else)
 JOBS_FINISHED = "lorafleet_jobs_finished_total"
+# Gateway and worker: registry records a reader skipped because they do not parse
+REGISTRY_RECORDS_INVALID = "lorafleet_registry_records_invalid_total"
 # Worker
 JOB_E2E = "lorafleet_job_e2e_seconds"
 JOB_QUEUE_WAIT = "lorafleet_job_queue_wait_seconds"
@@ -37,6 +39,7 @@ ALL = frozenset(
         ADMISSIONS_REFUSED,
         ADAPTER_REQUESTS,
         JOBS_FINISHED,
+        REGISTRY_RECORDS_INVALID,
         JOB_E2E,
         JOB_QUEUE_WAIT,
         JOB_TTFT,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from contracts.queues import Tier
 
@@ -29,12 +29,38 @@ class AdapterRecord(BaseModel):
     digest: str = Field(description="sha256 of the artifact's canonical manifest")
     base_model: BaseModelRef
     rank: int = Field(gt=0)
-    alpha: float
+    alpha: float = Field(gt=0, allow_inf_nan=False)
     target_modules: tuple[str, ...]
     size_bytes: int = Field(ge=0)
     tier: Tier
     owner: str = "default"
     created_at: datetime
+
+
+class UnreadableRecord(Exception):
+    """The record stored under an alias does not parse as this version's ``AdapterRecord``
+    (written by another version, or by hand). Readers skip it; only its own jobs fail."""
+
+    def __init__(self, alias: str, reason: str) -> None:
+        super().__init__(f"registry record of {alias!r} is unreadable: {reason}")
+        self.alias = alias
+        self.reason = reason
+
+
+def read_record(alias: str, raw: str | bytes) -> AdapterRecord:
+    """The record stored under ``alias``'s key; raises ``UnreadableRecord`` if it does not
+    parse or names another alias (a record never vouches for a name it was not stored under)."""
+    try:
+        record = AdapterRecord.model_validate_json(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc']) or 'record'}: {error['msg']}"
+            for error in exc.errors(include_url=False)
+        )
+        raise UnreadableRecord(alias, problems) from exc
+    if record.alias != alias:
+        raise UnreadableRecord(alias, f"it names alias {record.alias!r}")
+    return record
 
 
 class BaseModelCard(BaseModel):

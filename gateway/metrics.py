@@ -14,11 +14,20 @@ from contracts import metrics as names
 from contracts.queues import Tier
 from gateway.tier_state import tier_states
 
+REGISTRY_RECORDS_INVALID = Counter(
+    names.REGISTRY_RECORDS_INVALID,
+    "Registry records skipped (listing) or refused (admission) because they do not parse.",
+    registry=None,
+)
+"""Counted by the registry readers, which have no app at hand: one counter per process,
+shown by every app in it."""
+
 
 class GatewayMetrics:
     def __init__(self, top_adapters: int) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(REGISTRY_RECORDS_INVALID)
         self.admitted = Counter(names.JOBS_ADMITTED, "Jobs admitted.", ["tier"], registry=r)
         self.refused = Counter(
             names.ADMISSIONS_REFUSED, "Submissions refused, by error code.", ["code"], registry=r

@@ -3,6 +3,7 @@ caller's tenant is granted that name."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -15,8 +16,11 @@ from contracts.keys import (
     channel_key,
     grants_key,
 )
-from contracts.registry import AdapterRecord
+from contracts.registry import AdapterRecord, UnreadableRecord, read_record
 from contracts.tenants import ALL_ADAPTERS
+from gateway.metrics import REGISTRY_RECORDS_INVALID
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,16 @@ class Resolved:
     retired: bool
 
 
+class UnreadableAlias(Exception):
+    """A granted name leads to ``alias``, whose registry record does not parse."""
+
+    def __init__(self, alias: str, reason: str, retired: bool) -> None:
+        super().__init__(f"registry record of {alias!r} is unreadable: {reason}")
+        self.alias = alias
+        self.reason = reason
+        self.retired = retired
+
+
 async def resolve(redis: Redis, name: str, tenant: str) -> Resolved | None:
     """Follow a channel (once) to its alias, then read that alias's record; ``None`` if absent
     or not granted to ``tenant`` (a caller can't tell the two apart, not even by timing: both
@@ -36,6 +50,9 @@ async def resolve(redis: Redis, name: str, tenant: str) -> Resolved | None:
     The grant is on the name the caller used: granting a channel lets the tenant follow it
     wherever it points, without granting the aliases behind it by name. The channel is read
     once: the job keeps the revision resolved here even if the channel moves later.
+
+    Raises ``UnreadableAlias`` (logged and counted) if the granted alias's record does not
+    parse.
     """
     async with redis.pipeline(transaction=False) as pipe:
         pipe.get(channel_key(name))
@@ -48,16 +65,20 @@ async def resolve(redis: Redis, name: str, tenant: str) -> Resolved | None:
         raw, retired = await pipe.execute()
     if raw is None or not any(grants):
         return None
+    try:
+        record = read_record(alias, raw)
+    except UnreadableRecord as exc:
+        _skipped(exc, "refusing its jobs")
+        raise UnreadableAlias(alias, exc.reason, bool(retired)) from exc
     return Resolved(
-        record=AdapterRecord.model_validate_json(raw),
-        channel=name if target is not None else None,
-        retired=bool(retired),
+        record=record, channel=name if target is not None else None, retired=bool(retired)
     )
 
 
 async def granted_models(redis: Redis, tenant: str) -> list[tuple[str, AdapterRecord]]:
     """Every alias and channel ``tenant`` may use now (retired aliases excluded), sorted by
-    name, each with the record it resolves to."""
+    name, each with the record it resolves to. Names whose record does not parse are left
+    out (logged and counted): one bad record must not hide the others."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.smembers(grants_key(tenant))
         pipe.smembers(ADAPTERS_INDEX)
@@ -78,8 +99,17 @@ async def granted_models(redis: Redis, tenant: str) -> list[tuple[str, AdapterRe
         for alias in aliases_of:
             pipe.get(adapter_key(alias))
         raws = await pipe.execute()
-    return [
-        (name, AdapterRecord.model_validate_json(raw))
-        for name, raw in zip(names, raws, strict=True)
-        if raw is not None
-    ]
+    models = []
+    for name, alias, raw in zip(names, aliases_of, raws, strict=True):
+        if raw is None:
+            continue
+        try:
+            models.append((name, read_record(alias, raw)))
+        except UnreadableRecord as exc:
+            _skipped(exc, f"not listing {name!r}")
+    return models
+
+
+def _skipped(exc: UnreadableRecord, outcome: str) -> None:
+    log.error("%s; %s", exc, outcome)
+    REGISTRY_RECORDS_INVALID.inc()

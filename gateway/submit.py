@@ -38,7 +38,7 @@ from gateway.idempotency import IdempotencyKeys, Reservation
 from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels, ChatTemplateError, ServedModel
 from gateway.queue import enqueue
-from gateway.registry import Resolved, resolve
+from gateway.registry import Resolved, UnreadableAlias, resolve
 from gateway.webhooks import check_target
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,20 @@ class Submitter:
         return Prepared(request, resolved, deadline_s, prompt, add_special_tokens)
 
     async def _resolve(self, tenant: TenantRecord, name: str) -> Resolved:
-        resolved = await resolve(self._redis, name, tenant.name)
+        try:
+            resolved = await resolve(self._redis, name, tenant.name)
+        except UnreadableAlias as exc:
+            if exc.retired:
+                raise _retired(exc.alias) from exc
+            # The registry, not the caller, is at fault; a retry cannot help until an
+            # operator retires the alias and publishes its adapter under a new one.
+            raise ApiError(
+                500,
+                ErrorCode.ADAPTER_UNAVAILABLE,
+                f"Adapter {exc.alias!r} cannot be served: its registry record is unreadable. "
+                "Nothing was enqueued.",
+                param="adapter",
+            ) from exc
         if resolved is None:
             raise ApiError(
                 404,
@@ -192,13 +205,7 @@ class Submitter:
                 param="adapter",
             )
         if resolved.retired:
-            raise ApiError(
-                410,
-                ErrorCode.ADAPTER_RETIRED,
-                f"Adapter {resolved.record.alias!r} is retired and takes no new jobs. "
-                "Nothing was enqueued.",
-                param="adapter",
-            )
+            raise _retired(resolved.record.alias)
         return resolved
 
     def _deadline_s(self, request: Submission) -> float:
@@ -440,4 +447,13 @@ def refusal_error(
         f"{what[0].upper()}{what[1:]} was not accepted: {why}. Nothing was enqueued; "
         f"retry after {retry} s.",
         headers={"Retry-After": str(retry)},
+    )
+
+
+def _retired(alias: str) -> ApiError:
+    return ApiError(
+        410,
+        ErrorCode.ADAPTER_RETIRED,
+        f"Adapter {alias!r} is retired and takes no new jobs. Nothing was enqueued.",
+        param="adapter",
     )

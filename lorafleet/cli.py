@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from contracts.errors import ErrorCode
 from contracts.queues import Tier
+from contracts.registry import UnreadableRecord
 from lorafleet.processes import interrupt_on_signal
 from lorafleet.registry import Registry, RegistryError
 from lorafleet.settings import LocalSettings
@@ -124,14 +126,19 @@ def adapters_publish(
 
 @adapters_app.command("list")
 def adapters_list() -> None:
-    """List registered adapters: alias, tier, state, digest, rank, size."""
+    """List registered adapters: alias, tier, state, digest, rank, size (or, for a record
+    that does not parse, why)."""
     registry = _registry(_settings())
     retired = registry.retired()
-    for record in registry.list():
-        state = "retired" if record.alias in retired else "active"
+    for entry in registry.list():
+        state = "retired" if entry.alias in retired else "active"
+        if isinstance(entry, UnreadableRecord):
+            row = f"{entry.alias}\t-\t{state}\tunreadable: {entry.reason}"
+            console.print(row, markup=False, soft_wrap=True)
+            continue
         console.print(
-            f"{record.alias}\t{record.tier}\t{state}\t{record.digest}\t"
-            f"rank {record.rank}\t{record.size_bytes} bytes"
+            f"{entry.alias}\t{entry.tier}\t{state}\t{entry.digest}\t"
+            f"rank {entry.rank}\t{entry.size_bytes} bytes"
         )
 
 
@@ -143,6 +150,12 @@ def adapters_show(alias: Annotated[str, typer.Argument()]) -> None:
         record = registry.require(alias)
     except RegistryError as exc:
         raise _refused(exc) from exc
+    if isinstance(record, UnreadableRecord):
+        console.print(f"[red]{ErrorCode.ADAPTER_UNAVAILABLE}[/]: {escape(str(record))}")
+        console.print(f"stored: {registry.stored(alias)}", markup=False, soft_wrap=True)
+        if alias not in registry.retired():
+            console.print(f"retire it with `lorafleet adapters retire {alias}`", markup=False)
+        raise typer.Exit(1)
     body = json.loads(record.model_dump_json())
     body["retired"] = alias in registry.retired()
     console.print_json(json.dumps(body))
@@ -155,7 +168,8 @@ def adapters_retire(alias: Annotated[str, typer.Argument()]) -> None:
         record = _registry(_settings()).retire(alias)
     except RegistryError as exc:
         raise _refused(exc) from exc
-    console.print(f"retired {record.alias} ({record.digest})")
+    what = record.reason if isinstance(record, UnreadableRecord) else record.digest
+    console.print(f"retired {record.alias} ({what})", markup=False)
 
 
 @channels_app.command("set")

@@ -69,7 +69,7 @@ class Publisher:
         manifest = manifest_of(directory, ADAPTER_FILES)
         digest = manifest.digest()
         existing = self.registry.get(alias)
-        if existing is not None and existing.digest == digest:
+        if isinstance(existing, AdapterRecord) and existing.digest == digest:
             return existing
         record = AdapterRecord(
             alias=alias,

@@ -2,6 +2,8 @@
 
 Every change is one Lua script, so two operators racing cannot leave a half-made state:
 an alias is never also a channel, a channel never points at a missing or retired alias.
+A record that does not parse (another version's, or written by hand) is reported as an
+``UnreadableRecord``, never a crash: it can still be listed, shown and retired.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from contracts.keys import (
     adapter_key,
     channel_key,
 )
-from contracts.registry import SLUG_PATTERN, AdapterRecord
+from contracts.registry import SLUG_PATTERN, AdapterRecord, UnreadableRecord, read_record
+
+Entry = AdapterRecord | UnreadableRecord
+"""What an alias's key holds: a record, or the reason it does not parse."""
 
 _REGISTER = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return {'name_taken'} end
@@ -79,39 +84,47 @@ class Registry:
                 ErrorCode.NAME_TAKEN, f"{record.alias!r} is already a channel name."
             )
         if status == "exists":
-            existing = AdapterRecord.model_validate_json(_text(outcome[1]))
-            if existing.digest != record.digest:
+            existing = _entry(record.alias, outcome[1])
+            if isinstance(existing, UnreadableRecord) or existing.digest != record.digest:
                 raise RegistryError(
                     ErrorCode.ALIAS_EXISTS,
-                    f"Alias {record.alias!r} already names {existing.digest}; publish new "
-                    "bytes under a new alias.",
+                    f"Alias {record.alias!r} already names {_described(existing)}; publish "
+                    "new bytes under a new alias.",
                 )
             return existing
         return record
 
-    def get(self, alias: str) -> AdapterRecord | None:
+    def get(self, alias: str) -> Entry | None:
+        """The record of ``alias`` (or why it does not parse); ``None`` if there is none."""
+        raw = self.stored(alias)
+        return None if raw is None else _entry(alias, raw)
+
+    def stored(self, alias: str) -> str | None:
+        """The text stored under ``alias``'s key, parsed or not."""
         raw = self._redis.get(adapter_key(alias))
-        return None if raw is None else AdapterRecord.model_validate_json(_text(raw))
+        return None if raw is None else _text(raw)
 
-    def require(self, alias: str) -> AdapterRecord:
-        record = self.get(alias)
-        if record is None:
+    def require(self, alias: str) -> Entry:
+        entry = self.get(alias)
+        if entry is None:
             raise RegistryError(ErrorCode.ADAPTER_NOT_FOUND, f"No adapter named {alias!r}.")
-        return record
+        return entry
 
-    def list(self) -> list[AdapterRecord]:
+    def list(self) -> list[Entry]:
+        """Every registered alias's entry, sorted by alias."""
         aliases = sorted(_text(a) for a in self._redis.smembers(ADAPTERS_INDEX))  # type: ignore[union-attr]
-        records = (self.get(alias) for alias in aliases)
-        return [record for record in records if record is not None]
+        entries = (self.get(alias) for alias in aliases)
+        return [entry for entry in entries if entry is not None]
 
     def retired(self) -> set[str]:
         return {_text(a) for a in self._redis.smembers(RETIRED_INDEX)}  # type: ignore[union-attr]
 
-    def retire(self, alias: str) -> AdapterRecord:
-        """Stop new admissions for ``alias``; queued jobs keep their revision."""
-        record = self.require(alias)
+    def retire(self, alias: str) -> Entry:
+        """Stop new admissions for ``alias``; queued jobs keep their revision. An unreadable
+        record can be retired too: that is how an operator takes it out of service."""
+        entry = self.require(alias)
         self._redis.sadd(RETIRED_INDEX, alias)
-        return record
+        return entry
 
     def set_channel(self, name: str, alias: str) -> str | None:
         """Point channel ``name`` at ``alias``; returns the alias it pointed to before."""
@@ -143,6 +156,20 @@ class Registry:
     def channels(self) -> dict[str, str]:
         names = sorted(_text(n) for n in self._redis.smembers(CHANNELS_INDEX))  # type: ignore[union-attr]
         return {name: target for name in names if (target := self.channel(name)) is not None}
+
+
+def _entry(alias: str, raw: object) -> Entry:
+    try:
+        return read_record(alias, _text(raw))
+    except UnreadableRecord as exc:
+        return exc
+
+
+def _described(entry: Entry) -> str:
+    """The digest of a record, or what is wrong with an unreadable one (for messages)."""
+    if isinstance(entry, UnreadableRecord):
+        return f"an unreadable record ({entry.reason})"
+    return entry.digest
 
 
 def _text(value: object) -> str:

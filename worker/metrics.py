@@ -63,6 +63,10 @@ DELIVERIES = Counter(
     "elsewhere: another attempt held the job to its deadline, abandoned: handed back).",
     ["outcome"],
 )
+REGISTRY_RECORDS_INVALID = Counter(
+    names.REGISTRY_RECORDS_INVALID,
+    "Registry records skipped while preloading because they do not parse.",
+)
 ENGINE_FAILURES = Counter(
     names.ENGINE_FAILURES, "Times this worker's engine failed (the worker then exits)."
 )
