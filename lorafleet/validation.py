@@ -1,42 +1,70 @@
-"""Validate an adapter directory before anything reaches S3 or an engine.
+"""Validate an adapter directory before anything reaches S3 or an engine, by the engine's
+own rules: what passes here loads in vLLM and runs as PEFT runs it.
 
-Only headers are read: ``adapter_config.json`` and the safetensors headers of the adapter and
-of the base model. No weights are loaded and no pickle is ever opened.
+``adapter_config.json`` and the safetensors headers are read first; the adapter's weights are
+then scanned, streamed, for values that are not finite. No weights are loaded into a model
+and no pickle is ever opened.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from contracts.errors import ErrorCode
+from lorafleet import strict_json
+from lorafleet.weights import (
+    SCANNED_DTYPES,
+    TensorInfo,
+    check_layout,
+    first_non_finite,
+    read_header,
+)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
 # Formats that deserialise with pickle (arbitrary code execution on load).
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"})
-FLOAT_DTYPES = frozenset({"F32", "F16", "BF16"})
-MAX_HEADER_BYTES = 100 * 1024 * 1024
 PEFT_PREFIX = "base_model.model."
+
+# PEFT options vLLM refuses, or ignores and so would run otherwise than PEFT: a config may
+# leave each out or give it one of these values (README: "Supported PEFT options").
+ENGINE_RUNS_ONLY: dict[str, tuple[object, ...]] = {
+    "bias": ("none",),  # vLLM refuses trained biases
+    "lora_bias": (False,),
+    "use_dora": (False,),  # vLLM refuses DoRA
+    "modules_to_save": (None, []),  # vLLM refuses them for a causal LM
+    "layer_replication": (None, []),
+    "alora_invocation_tokens": (None, []),
+    "use_qalora": (False,),
+    "use_bdlora": (None, False, {}),
+    "fan_in_fan_out": (False,),  # ignored by vLLM: the weights would run transposed
+    "layers_to_transform": (None, []),  # ignored by vLLM: PEFT adapts only those layers
+    "layers_pattern": (None, [], ""),
+    "exclude_modules": (None, [], ""),
+    "target_parameters": (None, []),  # ignored by vLLM: it adapts modules, not parameters
+    "trainable_token_indices": (None, [], {}),  # ignored by vLLM: trained token embeddings
+    # Per-module ranks and alphas: every tensor is checked against the one ``r``.
+    "rank_pattern": (None, {}),
+    "alpha_pattern": (None, {}),
+}
+# Initialisations that leave a saved adapter a plain LoRA (the ones vLLM accepts); the others
+# (PiSSA, OLoRA, LoftQ, ...) change the base weights when PEFT loads the adapter.
+PLAIN_INITS = frozenset({"gaussian", "eva", "orthogonal", "mica", "lora_ga"})
 
 
 class ValidationFailure(Exception):
-    """The adapter is refused; ``code`` is stable, ``message`` says what to fix."""
+    """The adapter is refused; ``code`` is stable, ``message`` says what to fix, ``field``
+    names the config field at fault, if one is."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    dtype: str
-    shape: tuple[int, ...]
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -57,31 +85,6 @@ class ValidAdapter:
     target_modules: tuple[str, ...]
 
 
-def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Tensor names, dtypes and shapes from a safetensors header (weights are not read)."""
-    size = path.stat().st_size
-    with path.open("rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) != 8:
-            raise ValueError("file is shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > min(MAX_HEADER_BYTES, size - 8):
-            raise ValueError(f"header length {length} does not fit the file")
-        header = json.loads(handle.read(length))
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    data_bytes = size - 8 - length
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = info["data_offsets"]
-        if not 0 <= start <= end <= data_bytes:
-            raise ValueError(f"tensor {name} points outside the file")
-        tensors[name] = TensorInfo(dtype=str(info["dtype"]), shape=tuple(info["shape"]))
-    return tensors
-
-
 def base_model_modules(base_dir: Path) -> dict[str, tuple[int, int]]:
     """``{module path: (out_features, in_features)}`` of the base model's linear weights."""
     index = base_dir / "model.safetensors.index.json"
@@ -91,15 +94,15 @@ def base_model_modules(base_dir: Path) -> dict[str, tuple[int, int]]:
         shards = [p.name for p in sorted(base_dir.glob("*.safetensors"))]
     modules = {}
     for shard in shards:
-        for name, info in read_safetensors_header(base_dir / shard).items():
+        for name, info in read_header(base_dir / shard).tensors.items():
             if name.endswith(".weight") and len(info.shape) == 2:
                 out_features, in_features = info.shape
                 modules[name.removesuffix(".weight")] = (out_features, in_features)
     return modules
 
 
-def _fail(code: ErrorCode, message: str) -> ValidationFailure:
-    return ValidationFailure(code, message)
+def _fail(code: ErrorCode, message: str, field: str | None = None) -> ValidationFailure:
+    return ValidationFailure(code, message, field)
 
 
 def _check_files(directory: Path, limits: Limits) -> None:
@@ -135,28 +138,87 @@ def _check_files(directory: Path, limits: Limits) -> None:
 
 def _read_config(directory: Path) -> dict[str, Any]:
     try:
-        config = json.loads((directory / CONFIG_FILE).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _fail(ErrorCode.ADAPTER_CONFIG_INVALID, f"{CONFIG_FILE} is not JSON: {exc}") from exc
+        config = strict_json.loads((directory / CONFIG_FILE).read_bytes())
+    except strict_json.StrictJSONError as exc:
+        raise _fail(
+            ErrorCode.ADAPTER_CONFIG_INVALID, f"{CONFIG_FILE} is not valid JSON: {exc}", exc.field
+        ) from exc
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
-        raise _fail(ErrorCode.ADAPTER_CONFIG_INVALID, f"{CONFIG_FILE} must declare peft_type LORA.")
-    rank, targets = config.get("r"), config.get("target_modules")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise _fail(ErrorCode.ADAPTER_CONFIG_INVALID, "r must be a positive integer.")
+        raise _fail(
+            ErrorCode.ADAPTER_CONFIG_INVALID,
+            f"{CONFIG_FILE} must declare peft_type LORA.",
+            "peft_type",
+        )
+    _check_numbers(config)
+    targets = config.get("target_modules")
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise _fail(
             ErrorCode.ADAPTER_CONFIG_INVALID,
             "target_modules must be a non-empty list of module names (regex strings are "
             "not supported).",
+            "target_modules",
         )
-    if not isinstance(config.get("lora_alpha", rank), int | float):
-        raise _fail(ErrorCode.ADAPTER_CONFIG_INVALID, "lora_alpha must be a number.")
-    for unsupported in ("rank_pattern", "alpha_pattern", "modules_to_save"):
-        if config.get(unsupported):
-            raise _fail(ErrorCode.ADAPTER_CONFIG_INVALID, f"{unsupported} is not supported.")
-    if config.get("use_dora"):
-        raise _fail(ErrorCode.ADAPTER_CONFIG_INVALID, "DoRA adapters are not supported.")
+    for option, allowed in ENGINE_RUNS_ONLY.items():
+        if option in config and not _one_of(config[option], allowed):
+            raise _fail(
+                ErrorCode.ADAPTER_CONFIG_INVALID,
+                f"{option}={_shown(config[option])} is not supported: the engine would refuse "
+                f"the adapter or run it otherwise than PEFT; supported: "
+                f"{' or '.join(json.dumps(a) for a in allowed)}.",
+                option,
+            )
+    if not _one_of(config.get("use_rslora", False), (False, True)):
+        raise _fail(
+            ErrorCode.ADAPTER_CONFIG_INVALID, "use_rslora must be true or false.", "use_rslora"
+        )
+    init = config.get("init_lora_weights", True)
+    if not (
+        _one_of(init, (False, True)) or (isinstance(init, str) and init.lower() in PLAIN_INITS)
+    ):
+        raise _fail(
+            ErrorCode.ADAPTER_CONFIG_INVALID,
+            f"init_lora_weights={_shown(init)} is not supported: it changes the base model's "
+            f"weights when PEFT loads the adapter; supported: true, false, "
+            f"{', '.join(sorted(PLAIN_INITS))}.",
+            "init_lora_weights",
+        )
     return config
+
+
+def _check_numbers(config: dict[str, Any]) -> None:
+    """``r``, ``lora_alpha`` (required: vLLM has no default) and ``lora_dropout`` in range;
+    the parser already refused every non-finite number in the file."""
+    rank = config.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise _fail(ErrorCode.ADAPTER_CONFIG_INVALID, "r must be a positive integer.", "r")
+    alpha = config.get("lora_alpha")
+    if not _is_number(alpha) or alpha <= 0:
+        raise _fail(
+            ErrorCode.ADAPTER_CONFIG_INVALID,
+            f"lora_alpha must be a positive number (it is {_shown(alpha)}).",
+            "lora_alpha",
+        )
+    dropout = config.get("lora_dropout", 0.0)
+    if not _is_number(dropout) or not 0 <= dropout <= 1:
+        raise _fail(
+            ErrorCode.ADAPTER_CONFIG_INVALID,
+            f"lora_dropout must be a number from 0 to 1 (it is {_shown(dropout)}).",
+            "lora_dropout",
+        )
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _one_of(value: object, allowed: tuple[object, ...]) -> bool:
+    """``value`` equals one of ``allowed`` with the same JSON type (``0`` is not ``false``)."""
+    return any(type(value) is type(option) and value == option for option in allowed)
+
+
+def _shown(value: object) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_base_name(config: dict[str, Any], base_model_id: str) -> None:
@@ -193,7 +255,7 @@ def _check_tensors(
                 ErrorCode.ADAPTER_SHAPE_MISMATCH,
                 f"Tensor {name!r} adapts a module outside target_modules.",
             )
-        if info.dtype not in FLOAT_DTYPES:
+        if info.dtype not in SCANNED_DTYPES:
             raise _fail(
                 ErrorCode.ADAPTER_SHAPE_MISMATCH, f"Tensor {name!r} has dtype {info.dtype}."
             )
@@ -236,15 +298,24 @@ def validate_adapter(
             ErrorCode.TARGET_MODULES_UNKNOWN,
             f"The base model has no modules named {unknown}.",
         )
+    weights = directory / WEIGHTS_FILE
     try:
-        tensors = read_safetensors_header(directory / WEIGHTS_FILE)
-    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
+        header = read_header(weights)
+        check_layout(header)
+    except ValueError as exc:
         raise _fail(
             ErrorCode.ADAPTER_WEIGHTS_INVALID, f"{WEIGHTS_FILE} is not valid safetensors: {exc}"
         ) from exc
-    _check_tensors(tensors, rank, set(config["target_modules"]), modules)
+    _check_tensors(header.tensors, rank, set(config["target_modules"]), modules)
+    non_finite = first_non_finite(weights, header)
+    if non_finite is not None:
+        raise _fail(
+            ErrorCode.ADAPTER_WEIGHTS_INVALID,
+            f"Tensor {non_finite!r} holds a NaN or an infinity; the adapter would generate "
+            "garbage.",
+        )
     return ValidAdapter(
         rank=rank,
-        alpha=float(config.get("lora_alpha", rank)),
+        alpha=float(config["lora_alpha"]),
         target_modules=tuple(sorted(config["target_modules"])),
     )
