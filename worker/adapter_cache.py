@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +33,7 @@ from urllib3.exceptions import HTTPError
 from contracts.digests import CHUNK_BYTES, DIGEST_PREFIX, FileEntry, Manifest, manifest_of
 from contracts.storage import blob_key, manifest_key
 from worker import metrics
-from worker.deadlines import late, remaining_s
+from worker.deadlines import late, passed, wait_slice
 from worker.errors import AdapterIntegrityError, AdapterUnavailableError, JobFailure
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,12 @@ class AdapterCache:
             self._entries.move_to_end(digest)
             return True
 
-    def ensure(self, digest: str, deadline_at: float | None = None) -> Fetched:
+    def ensure(
+        self,
+        digest: str,
+        deadline_at: float | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> Fetched:
         """Make ``digest`` present on disk, downloading and verifying it if needed.
 
         Returns the verified digest of the written files when this call's download wrote
@@ -212,7 +217,8 @@ class AdapterCache:
         before trusting them: see ``verify``). One download per digest however many jobs
         ask: they all wait for it, each no later than its ``deadline_at`` (unix time), then
         fail ``deadline_exceeded``; the download goes on (S3 retries, disk space) for the jobs
-        still waiting and those to come.
+        still waiting and those to come. ``check`` (if given) is called while the job waits
+        and raises to stop the wait (the job was stopped: engine failure, drain, cancel).
         """
         if self._touch(digest):
             return Fetched(self.path_for(digest), None, None, None)
@@ -222,12 +228,15 @@ class AdapterCache:
             if download is None:
                 download = self._fetcher.submit(self._download_once, digest)
                 self._downloads[digest] = download
-        try:
-            fetched = download.result(timeout=remaining_s(deadline_at))
-        except concurrent.futures.TimeoutError:
-            raise late("waited for its adapter's download") from None
-        except JobFailure as failure:
-            raise failure.copy() from failure
+        while True:
+            try:
+                fetched = download.result(timeout=wait_slice(deadline_at, check))
+                break
+            except concurrent.futures.TimeoutError:
+                if check is None or passed(deadline_at):
+                    raise late("waited for its adapter's download") from None
+            except JobFailure as failure:
+                raise failure.copy() from failure
         if started:
             return fetched
         # Another job's download: the files are verified, but this job did not time them.

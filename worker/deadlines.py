@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from contracts.errors import ErrorCode
 from worker.errors import JobFailure
@@ -25,3 +26,18 @@ def late(doing: str) -> JobFailure:
     return JobFailure(
         ErrorCode.DEADLINE_EXCEEDED, f"The job reached its deadline while it {doing}; not run."
     )
+
+
+CHECK_EVERY_S = 0.25
+"""How often a job waiting on something shared (a download, another job's load) looks whether
+it was stopped meanwhile (engine failure, drain, cancel)."""
+
+
+def wait_slice(deadline_at: float | None, check: Callable[[], None] | None) -> float | None:
+    """The next bounded wait of a job: ``check()`` first (it raises once the job is stopped),
+    then up to the deadline, in slices of ``CHECK_EVERY_S`` when there is a check to repeat."""
+    wait_s = remaining_s(deadline_at)
+    if check is None:
+        return wait_s
+    check()
+    return CHECK_EVERY_S if wait_s is None else min(wait_s, CHECK_EVERY_S)

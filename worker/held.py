@@ -71,6 +71,11 @@ class HeldDeliveries:
                 log.warning("could not record held deliveries (%s); retrying", exc)
                 if stopping.wait(RETRY_S):
                     return
+            except Exception:
+                # Not an outage: retrying would fail alike. Dropped (Redis's visibility
+                # timeout still restores a delivery this worker dies holding); the thread lives.
+                log.exception("held deliveries could not be recorded; dropped")
+                pending = []
 
     def _write(self, ops: list[tuple[str, str, str]]) -> None:
         pipe = self._redis.pipeline(transaction=False)

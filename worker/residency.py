@@ -23,9 +23,10 @@ from contracts.errors import ErrorCode
 from contracts.jobs import LoadTimings, Residency
 from worker import metrics
 from worker.adapter_cache import AdapterCache
-from worker.deadlines import late, remaining_s
+from worker.deadlines import late, passed, remaining_s, wait_slice
 from worker.engine import EngineFailed, EngineHost
 from worker.errors import AdapterIntegrityError, JobFailure
+from worker.inflight import Running
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +184,7 @@ class EngineAdapters:
         timings: LoadTimings,
         registered: set[int],
         deadline_at: float | None = None,
+        running: Running | None = None,
     ) -> Resident:
         """Ensure ``digest`` is on disk and registered in the engine from verified files.
 
@@ -190,20 +192,26 @@ class EngineAdapters:
         ids, asked just before. ``timings`` receives the phases this call ran (fetch,
         verify, engine_load), each as it completes. Every wait (download, disk space, another
         job's load of the same adapter, the engine) ends by ``deadline_at`` (unix time):
-        past it the job fails ``deadline_exceeded``.
+        past it the job fails ``deadline_exceeded``. ``running`` is the job's attempt (none
+        when preloading): the shared waits end when it is stopped, and an engine that dies
+        while it loads this job's adapter is counted against the job (``in_engine``).
         """
+        check = running.check if running is not None else None
         request = self.request_for(alias, digest)
         lora_id = request.lora_int_id
         # On disk in every case, even when the engine has it: vLLM reloads from this path
         # should it drop the adapter from its own cache (fetched again if evicted).
-        fetched = self._cache.ensure(digest, deadline_at)
+        fetched = self._cache.ensure(digest, deadline_at, check)
         timings.fetch, timings.verify = fetched.fetch_ms, fetched.verify_ms
         if lora_id in registered and lora_id in self._handed:
             return Resident(request, self._handed[lora_id])
         lock = self._lock_for(digest)
-        wait_s = remaining_s(deadline_at)
-        if not lock.acquire(timeout=-1 if wait_s is None else wait_s):
-            raise late("waited for another job to load its adapter")
+        while True:
+            wait_s = wait_slice(deadline_at, check)
+            if lock.acquire(timeout=-1 if wait_s is None else wait_s):
+                break
+            if check is None or passed(deadline_at):
+                raise late("waited for another job to load its adapter")
         try:
             # Asked again: another job may have loaded it while this one waited for the lock.
             if lora_id in self.registered(deadline_at) and lora_id in self._handed:
@@ -215,7 +223,7 @@ class EngineAdapters:
             if loaded != digest:
                 raise AdapterIntegrityError(f"Files for {digest} hash to {loaded}; refused.")
             start = time.perf_counter()
-            self._load(request, digest, deadline_at)
+            self._load(request, digest, deadline_at, running)
             timings.engine_load = round((time.perf_counter() - start) * 1000, 3)
             self._handed[lora_id] = loaded
             # The engine's CPU cache makes room by dropping its least recently used adapter.
@@ -226,14 +234,29 @@ class EngineAdapters:
             lock.release()
         return Resident(request, loaded)
 
-    def _load(self, request: LoRARequest, digest: str, deadline_at: float | None) -> None:
+    def _load(
+        self,
+        request: LoRARequest,
+        digest: str,
+        deadline_at: float | None,
+        running: Running | None = None,
+    ) -> None:
         """``add_lora``, once per digest that the engine refuses: its files never change and
         neither does the engine, so a refusal is final for this process (and retrying it
-        could only cost every job of that adapter a load, or worse, the engine)."""
+        could only cost every job of that adapter a load, or worse, the engine).
+
+        While the engine loads it, the job counts as in the engine: an adapter whose load
+        kills the engine every time is stopped by ``attempts_exhausted`` as a prompt that
+        does would be. A job that finds the engine already dead does not count it."""
         refused = self._refused.get(digest)
         if refused is None:
+            if running is not None:
+                self._host.check_serving()
+                running.in_engine = True
             try:
                 self._host.run(self._host.engine.add_lora(request), remaining_s(deadline_at))
+                if running is not None:
+                    running.in_engine = False  # loaded: the engine survived this adapter
                 return
             except TimeoutError:
                 raise late("waited for the engine to load its adapter") from None

@@ -140,7 +140,12 @@ class JobRunner:
                 metrics.RESIDENT.labels("cpu").set(len(registered))
                 residency = self._adapters.observe(message.revision, registered)
                 resident = self._adapters.make_resident(
-                    message.adapter, message.revision, timings, registered, message.deadline_at
+                    message.adapter,
+                    message.revision,
+                    timings,
+                    registered,
+                    message.deadline_at,
+                    running,
                 )
                 if resident.loaded_digest != message.revision:
                     # Fail closed: the engine holds something other than the admitted revision.

@@ -122,6 +122,12 @@ class DeltaPublisher:
                 if stopping.wait(RETRY_S):
                     return
                 continue
+            except Exception:
+                # Not an outage: writing this batch again would fail again. Its attempts are
+                # refused (each stops as if its lease were lost) and the writer lives on: a dead
+                # writer would stall every streamed job of this worker at its flush.
+                log.exception("stream deltas could not be written; their jobs are stopped")
+                refused = set(batch)
             with self._cond:
                 self._fenced |= refused
                 self._writing = set()

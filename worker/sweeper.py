@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
+from pydantic import ValidationError
 from redis import Redis
 
 from contracts.keys import DEADLINES, SWEEPER
@@ -68,7 +69,18 @@ class DeadlineSweeper(Periodic):
         ended = 0
         for member in due:  # type: ignore[union-attr]
             job_id = str(member)
-            job = self._jobs.get(job_id)
+            try:
+                job = self._jobs.get(job_id)
+            except ValidationError as exc:
+                # Written by another version, or by hand: it cannot be ended as a job, and
+                # left first in the index it would stop every sweep behind it.
+                log.error(
+                    "job %s: its record does not parse (%s); dropped from the deadline index",
+                    job_id,
+                    exc.errors(include_url=False)[:3],
+                )
+                self._redis.zrem(DEADLINES, job_id)
+                continue
             if job is None or job.status.terminal:
                 # Its record expired, or a terminal write raced this read: nothing to end.
                 self._redis.zrem(DEADLINES, job_id)

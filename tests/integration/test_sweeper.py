@@ -14,7 +14,7 @@ from redis import Redis
 from contracts import admission
 from contracts.batches import BatchLine, BatchRecord
 from contracts.jobs import JobPublic, JobStatus
-from contracts.keys import DEADLINES, tenant_ledger_key, tier_ledger_key
+from contracts.keys import DEADLINES, job_key, tenant_ledger_key, tier_ledger_key
 from contracts.queues import queue_for
 from contracts.registry import AdapterRecord
 from contracts.webhooks import WebhookTarget, batch_event_id, job_event_id
@@ -80,6 +80,13 @@ def test_jobs_admitted_but_never_enqueued_end_at_their_deadline(
         reply = redis.register_script(admission.ADMIT_BATCH)(keys=keys, args=args)
         assert admission.batch_verdict(reply)[0].refusal is None
 
+        # First in the index: a record this version cannot read (written by hand, or by
+        # another version). It must not stop the sweeps of the jobs behind it.
+        unreadable = uuid.uuid4().hex
+        redis.hset(job_key(unreadable), "record", '{"id": "' + unreadable + '", "status": 7}')
+        redis.expire(job_key(unreadable), 600)
+        redis.zadd(DEADLINES, {unreadable: deadline_at - 1})
+
         jobs = [single, *batched]
         for job in jobs:
             ended = job_when(redis, job.id, lambda j: j.status.terminal, timeout_s=60)
@@ -97,3 +104,4 @@ def test_jobs_admitted_but_never_enqueued_end_at_their_deadline(
         assert len(receiver.calls_for(batch_event_id(batch_id))) == 1
     for key in (tier_ledger_key(record.tier.value), tenant_ledger_key(DEV_TENANT), DEADLINES):
         assert not {job.id for job in jobs} & set(redis.zrange(key, 0, -1))  # type: ignore[arg-type]
+    assert redis.zscore(DEADLINES, unreadable) is None  # dropped from the index, logged

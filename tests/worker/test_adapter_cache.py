@@ -18,7 +18,14 @@ from lorafleet.publish import upload_artifact
 from lorafleet.stack import LocalStack
 from lorafleet.validation import ADAPTER_FILES
 from worker.adapter_cache import AdapterCache
-from worker.errors import AdapterIntegrityError, AdapterUnavailableError, JobFailure
+from worker.errors import (
+    AdapterIntegrityError,
+    AdapterUnavailableError,
+    JobFailure,
+    JobStopped,
+    StopReason,
+)
+from worker.inflight import Running
 
 BOUND = 10 * 1024 * 1024
 
@@ -237,6 +244,29 @@ def test_a_slow_download_fails_its_waiters_at_their_deadline_and_still_lands(
     assert sum(slow.gets.values()) == 3  # one download for all three jobs
     assert cache.ensure(digest, time.time() + 0.1).loaded_digest is None  # on disk now
     assert cache.verify(digest)[0] == digest
+
+
+def test_a_job_stopped_while_it_waits_for_a_download_leaves_the_wait_at_once(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    """Its engine died (or the worker drains): a job waiting for a shared download must be
+    handed back now, not at its deadline minutes later; the download goes on for the rest."""
+    bucket = infra.settings.s3_bucket
+    digest = _publish(s3, bucket, _artifact(tmp_path, "stopped", b"t" * 1000))
+    slow = SlowS3(s3, delay_s=0.5)  # ~1.5 s in all
+    cache = AdapterCache(tmp_path / "cache", slow, bucket, max_bytes=BOUND)
+    running = Running("job", attempt=1)
+    with ThreadPoolExecutor(2) as pool:
+        stopped = pool.submit(cache.ensure, digest, time.time() + 600, running.check)
+        other = pool.submit(cache.ensure, digest, time.time() + 600)
+        time.sleep(0.2)
+        running.stop(StopReason.ENGINE_FAILED)
+        with pytest.raises(JobStopped) as raised:
+            stopped.result()
+        assert raised.value.reason == StopReason.ENGINE_FAILED
+        assert not other.done()  # left while the download was still under way
+        assert other.result().loaded_digest == digest
+    assert sum(slow.gets.values()) == 3
 
 
 def test_stray_directory_where_an_entry_goes_is_replaced_not_trusted(
