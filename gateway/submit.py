@@ -15,6 +15,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -95,6 +96,7 @@ class Submitter:
         self._models = models
         self.metrics = metrics
         self._settings = settings
+        self._prompts = ThreadPoolExecutor(settings.prompt_threads, thread_name_prefix="prompts")
 
     async def submit(
         self, tenant: TenantRecord, request: Submission, idempotency: Idempotency | None = None
@@ -178,9 +180,23 @@ class Submitter:
         resolved = cache[request.adapter]
         deadline_s = self._deadline_s(request)
         model = await self._models.get(resolved.record.base_model.digest)
+        # Rendering and tokenizing cost CPU in proportion to the prompt: in the bounded
+        # pool, so a huge request delays only itself, never the event loop.
+        prompt, add_special_tokens = await asyncio.get_running_loop().run_in_executor(
+            self._prompts, self._checked_prompt, request, model, resolved
+        )
+        return Prepared(request, resolved, deadline_s, prompt, add_special_tokens)
+
+    def _checked_prompt(
+        self, request: Submission, model: ServedModel | None, resolved: Resolved
+    ) -> tuple[str, bool]:
         prompt, add_special_tokens = self._prompt(request, model, resolved)
         self._check_length(prompt, add_special_tokens, request.sampling, model)
-        return Prepared(request, resolved, deadline_s, prompt, add_special_tokens)
+        return prompt, add_special_tokens
+
+    def close(self) -> None:
+        """Stop the prompt threads (at shutdown; a running render finishes on its own)."""
+        self._prompts.shutdown(wait=False, cancel_futures=True)
 
     async def _resolve(self, tenant: TenantRecord, name: str) -> Resolved:
         resolved = await resolve(self._redis, name, tenant.name)

@@ -19,14 +19,19 @@ _JSONL: dict[int | str, dict[str, Any]] = {200: {"content": {"application/jsonl"
 _ERRORS = responses(*AUTHENTICATED, ErrorCode.FILE_NOT_FOUND)
 
 
-@router.post("", response_model=FileObject, responses=responses(*AUTHENTICATED))
+@router.post(
+    "",
+    response_model=FileObject,
+    responses=responses(*AUTHENTICATED, ErrorCode.BATCH_INVALID, ErrorCode.FILE_QUOTA_EXCEEDED),
+)
 async def upload_file(
     tenant: TenantDep,
     files: FilesDep,
     file: Annotated[UploadFile, File(description="JSONL: one batch request a line")],
     purpose: Annotated[str, Form(description="must be 'batch'")],
 ) -> FileObject:
-    """Store a batch input file (``purpose=batch``) for ``POST /v1/batches``."""
+    """Store a batch input file (``purpose=batch``: JSONL, every line a valid request to
+    ``/v1/completions`` or ``/v1/chat/completions``) for ``POST /v1/batches``."""
     content = await file.read()
     return await files.upload(tenant, file.filename or "upload.jsonl", purpose, content)
 
@@ -44,3 +49,10 @@ async def get_file(file_id: str, tenant: TenantDep, files: FilesDep) -> FileObje
 async def file_content(file_id: str, tenant: TenantDep, files: FilesDep) -> Response:
     """The file's bytes: an upload, or a finished batch's output / error JSONL."""
     return Response(await files.content(tenant, file_id), media_type="application/jsonl")
+
+
+@router.delete("/{file_id}", responses=_ERRORS)
+async def delete_file(file_id: str, tenant: TenantDep, files: FilesDep) -> dict[str, object]:
+    """Delete an uploaded file, freeing its share of the tenant's quota."""
+    await files.delete(tenant, file_id)
+    return {"id": file_id, "object": "file", "deleted": True}

@@ -1,0 +1,133 @@
+"""Strict JSON for every body and JSONL line the gateway reads.
+
+Python's ``json`` accepts what JSON does not (``NaN``, ``Infinity``), replaces nothing but
+raises ``UnicodeDecodeError`` on invalid UTF-8, and parses nesting deep enough to make every
+later walk of the value (validation, fingerprints, dumps) recurse past the interpreter's
+limit. Here all three are refusals with a reason, so no body a client sends becomes a 500.
+
+``StrictJsonBodies`` applies the same rules to every JSON request body before a route sees
+it; a route's own parse (FastAPI's) then only ever meets valid, shallow JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from contracts.errors import ErrorBody, ErrorCode
+from gateway.errors import error_response
+
+MAX_DEPTH = 32
+"""Deepest nesting of arrays and objects accepted (our own bodies need 4)."""
+
+THREAD_ABOVE_BYTES = 64 * 1024
+"""Bodies larger than this are parsed in a worker thread, off the event loop."""
+
+
+class JsonRefusal(ValueError):
+    """The bytes are not strict JSON; the message says why, for the caller."""
+
+
+def _constant(name: str) -> Any:
+    raise JsonRefusal(f"{name} is not a JSON value")
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of arrays and objects, iteratively (no recursion however deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_DEPTH:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def loads(raw: bytes | str) -> Any:
+    """The value of ``raw``: UTF-8 (never replaced), no ``NaN``/``Infinity``, at most
+    ``MAX_DEPTH`` levels deep; otherwise ``JsonRefusal``."""
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise JsonRefusal(f"invalid UTF-8 at byte {exc.start}") from exc
+    else:
+        text = raw
+    try:
+        value = json.loads(text, parse_constant=_constant)
+    except json.JSONDecodeError as exc:
+        raise JsonRefusal(f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from exc
+    except RecursionError as exc:
+        raise JsonRefusal(f"nested more than {MAX_DEPTH} levels deep") from exc
+    if _depth(value) > MAX_DEPTH:
+        raise JsonRefusal(f"nested more than {MAX_DEPTH} levels deep")
+    return value
+
+
+async def loads_off_loop(raw: bytes) -> Any:
+    """``loads``, in a worker thread when ``raw`` is large enough to stall the event loop."""
+    if len(raw) > THREAD_ABOVE_BYTES:
+        return await run_in_threadpool(loads, raw)
+    return loads(raw)
+
+
+def is_json(scope: Scope) -> bool:
+    """Does FastAPI read this request's body as JSON (a JSON content type, or none)?"""
+    headers = dict(scope["headers"])
+    content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+    return content_type in (b"", b"application/json") or content_type.endswith(b"+json")
+
+
+class StrictJsonBodies:
+    """Refuse a JSON request body that is not strict JSON (422 ``validation_error``) before
+    the route reads it. The body is already bounded (``BodyLimit`` runs first)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self._app(scope, receive, send)
+            return
+        if not is_json(scope):
+            await self._app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if body:
+            try:
+                await loads_off_loop(body)
+            except JsonRefusal as exc:
+                refusal = ErrorBody(
+                    code=ErrorCode.VALIDATION_ERROR,
+                    message=f"Invalid request: body: {exc}. Nothing was enqueued.",
+                )
+                await error_response(422, refusal, param="body")(scope, receive, send)
+                return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self._app(scope, replay, send)
