@@ -85,7 +85,9 @@ async def create_batch(
             description="JSONL bodies: the batch's webhook URL",
         ),
     ] = None,
-    deadline_s: Annotated[float | None, Query(gt=0, description="JSONL bodies")] = None,
+    deadline_s: Annotated[
+        float | None, Query(gt=0, allow_inf_nan=False, description="JSONL bodies")
+    ] = None,
 ) -> BatchPublic:
     """Validate every request, then enqueue all of them (or none): a JSON body
     ``{"requests": [...], "webhook"?, "deadline_s"?}``, a JSONL body (one job a line), or

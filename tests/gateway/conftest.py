@@ -18,7 +18,8 @@ import pytest
 import uvicorn
 from redis import Redis
 
-from contracts.keys import ADAPTERS_INDEX
+from contracts.keys import ADAPTERS_INDEX, DEADLINES, tenant_ledger_key, tier_ledger_key
+from contracts.queues import Tier, queue_for
 from contracts.registry import AdapterRecord, BaseModelRef
 from contracts.tenants import ALL_ADAPTERS, TenantLimits
 from gateway.app import create_app
@@ -29,6 +30,33 @@ from lorafleet.tenants import Tenants
 from worker import model_card
 
 PRIVATE_DB = 1
+
+
+def admitted_state(redis: Redis, tenant: str) -> dict[str, int]:
+    """Everything an admission (job or batch) or an upload can leave behind, counted; a
+    refusal must leave all of it at zero."""
+    return {
+        "records": len(list(redis.scan_iter("lorafleet:job:*"))),
+        "batches": len(list(redis.scan_iter("lorafleet:batch:*"))),
+        "idempotency_keys": len(list(redis.scan_iter("lorafleet:idem:*"))),
+        "files": len(list(redis.scan_iter("lorafleet:file:*"))),
+        "tier_ledgers": sum(int(redis.zcard(tier_ledger_key(t.value))) for t in Tier),  # type: ignore[arg-type]
+        "tenant_ledger": int(redis.zcard(tenant_ledger_key(tenant))),  # type: ignore[arg-type]
+        "queued": sum(int(redis.llen(queue_for(t))) for t in Tier),  # type: ignore[arg-type]
+        "deadlines": int(redis.zcard(DEADLINES)),  # type: ignore[arg-type]
+    }
+
+
+NOTHING = {
+    "records": 0,
+    "batches": 0,
+    "idempotency_keys": 0,
+    "files": 0,
+    "tier_ledgers": 0,
+    "tenant_ledger": 0,
+    "queued": 0,
+    "deadlines": 0,
+}
 
 
 @contextmanager
