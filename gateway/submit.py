@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 
 from contracts import admission
 from contracts.errors import ErrorCode
-from contracts.jobs import JobMessage, JobPublic, JobStatus, Sampling
+from contracts.jobs import MAX_PROMPT_CHARS, JobMessage, JobPublic, JobStatus, Sampling
 from contracts.queues import Tier, queue_for
 from contracts.tenants import TenantRecord
 from contracts.webhooks import WebhookTarget
@@ -263,27 +263,33 @@ class Submitter:
                 "/v1/completions with a prompt.",
                 param="messages",
             )
+        if len(rendered) > MAX_PROMPT_CHARS:
+            raise ApiError(
+                422,
+                ErrorCode.PROMPT_TOO_LONG,
+                f"The chat renders to {len(rendered)} characters; at most {MAX_PROMPT_CHARS} "
+                "are accepted, as for a prompt. Nothing was enqueued.",
+                param="messages",
+            )
         return rendered, False
 
     @staticmethod
     def _check_length(
         prompt: str, add_special_tokens: bool, sampling: Sampling, model: ServedModel | None
     ) -> None:
+        """Refuse a prompt that can't fit the context: first by its length alone (so a huge
+        prompt is never tokenized), then by its tokens."""
         if model is None:
             return  # no worker has served this base yet: the worker checks instead
-        tokens = model.count_tokens(prompt, add_special_tokens)
-        if tokens is None:
-            return
         context = model.card.max_model_len
-        if tokens + sampling.max_tokens > context:
-            raise ApiError(
-                422,
-                ErrorCode.PROMPT_TOO_LONG,
-                f"The prompt is {tokens} tokens; with max_tokens {sampling.max_tokens} it needs "
-                f"{tokens + sampling.max_tokens}, more than the model's context of {context} "
-                "tokens. Shorten the prompt or lower max_tokens. Nothing was enqueued.",
-                param="prompt",
-            )
+        fewest = model.fewest_tokens(prompt)
+        if fewest is None:
+            return
+        if fewest + sampling.max_tokens > context:
+            raise _too_long(f"at least {fewest}", sampling.max_tokens, context)
+        tokens = model.count_tokens(prompt, add_special_tokens)
+        if tokens is not None and tokens + sampling.max_tokens > context:
+            raise _too_long(str(tokens), sampling.max_tokens, context)
 
     def job(
         self, tenant: TenantRecord, prepared: Prepared, job_id: str, batch: str | None = None
@@ -370,6 +376,17 @@ class Submitter:
                 "expired. Use a new key.",
             )
         return Admitted(job=job, replayed=True)
+
+
+def _too_long(tokens: str, max_tokens: int, context: int) -> ApiError:
+    return ApiError(
+        422,
+        ErrorCode.PROMPT_TOO_LONG,
+        f"The prompt is {tokens} tokens; with max_tokens {max_tokens} that is more than the "
+        f"model's context of {context} tokens. Shorten the prompt or lower max_tokens. "
+        "Nothing was enqueued.",
+        param="prompt",
+    )
 
 
 UNDO_WAIT_S = 30.0
