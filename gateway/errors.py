@@ -79,7 +79,8 @@ NOT_ADMITTED = "The job was not accepted: {what} ({exc}). Nothing was enqueued; 
 
 # Within the bound, a burst queues for connections and CPU as well as for Redis itself.
 ADMISSION_TIMED_OUT = (
-    "Redis or the queue did not answer within the admission bound, or this gateway is overloaded"
+    "Redis or the queue did not answer within the admission bound or refused the write (full), "
+    "or this gateway is overloaded"
 )
 
 

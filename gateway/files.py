@@ -77,8 +77,9 @@ def _output_line(line: BatchLine, job: JobPublic | None) -> tuple[bool, dict[str
 
 
 # Quota and write in one script, so concurrent uploads can't overshoot the caps. Expired
-# files leave the tenant's index first (their hashes expired with them).
-_STORE = """
+# files leave the tenant's index first (their hashes expired with them). The shebang makes
+# a full Redis (noeviction) refuse the whole script up front: nothing is stored past maxmemory.
+_STORE = """#!lua
 local args = cjson.decode(ARGV[1])
 local index, sizes, file = KEYS[1], KEYS[2], KEYS[3]
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', index, '-inf', args.now)) do

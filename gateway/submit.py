@@ -23,6 +23,7 @@ from typing import Any
 import sentry_sdk
 from celery import Celery
 from fastapi.concurrency import run_in_threadpool
+from kombu.exceptions import OperationalError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -129,7 +130,8 @@ class Submitter:
         except ApiError as refused:
             self.metrics.refused.labels(refused.code.value).inc()
             raise
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (RedisError, OSError, TimeoutError, OperationalError) as exc:
+            # OperationalError: the broker refused the publish (e.g. Redis full, noeviction).
             error = unavailable(ADMISSION_TIMED_OUT, exc)
             self.metrics.refused.labels(error.code.value).inc()
             raise error from exc

@@ -22,6 +22,7 @@ from contracts.queues import Tier
 from contracts.registry import AdapterRecord
 from lorafleet.client import auth_headers
 from lorafleet.registry import Registry
+from lorafleet.stack import LocalStack
 from tests.gateway.conftest import NOTHING, admitted_state
 
 JSONL = {"content-type": "application/jsonl"}
@@ -284,3 +285,37 @@ def test_healthz_stays_fast_while_another_client_sends_huge_prompts(
     bound = 50 * statistics.quantiles(unloaded, n=10)[-1]
     assert max(loaded) < bound, (max(loaded), bound, statistics.median(loaded))
     assert admitted_state(private_redis, "heavy") == NOTHING
+
+
+def test_a_full_redis_refuses_admissions_with_503_and_drops_nothing(
+    infra: LocalStack,
+    private_gateway: Callable[..., Any],
+    tenant_key: Callable[..., str],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    """The local stack's Redis has a ``maxmemory`` and ``noeviction``: once full, writes are
+    refused (503, retryable) and nothing already stored is evicted."""
+    server = infra.redis()
+    config = server.config_get("maxmemory*")
+    assert config["maxmemory-policy"] == "noeviction"
+    assert int(config["maxmemory"]) == infra.settings.redis_maxmemory_bytes
+    key = tenant_key("acme")
+    adapter = _alias(published)
+    with private_gateway() as url, httpx.Client(base_url=url, headers=auth_headers(key)) as http:
+        first = http.post("/v1/jobs", json={"adapter": adapter, "prompt": "hi"})
+        assert first.status_code == 202
+        used = int(server.info("memory")["used_memory"])
+        server.config_set("maxmemory", used // 2)
+        try:
+            full = http.post("/v1/jobs", json={"adapter": adapter, "prompt": "hi"})
+            error = _error(full, 503, "service_unavailable")
+            assert full.headers["Retry-After"] and error["message"]
+            content = (json.dumps(_openai_line(adapter, "a")) + "\n").encode()
+            _error(_upload(http, content), 503, "service_unavailable")
+            # Reads still work: the admitted job is there, nothing was evicted.
+            assert http.get(f"/v1/jobs/{first.json()['id']}").status_code == 200
+        finally:
+            server.config_set("maxmemory", config["maxmemory"])
+    state = admitted_state(private_redis, "acme")
+    assert (state["records"], state["tenant_ledger"], state["queued"]) == (1, 1, 1)
