@@ -15,11 +15,11 @@ from gateway.body_limit import BodyLimit
 from gateway.config import GatewaySettings, get_settings
 from gateway.errors import install_error_handlers
 from gateway.files import Files
+from gateway.json_bodies import StrictJsonBodies
 from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels
 from gateway.queue import make_producer
 from gateway.routes import batches, files, fleet, health, jobs, openai
-from gateway.strict_json import StrictJsonBodies
 from gateway.submit import Submitter
 from gateway.waiter import JobWaiter
 

@@ -20,14 +20,14 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.asyncio import Redis
 
-from contracts import admission
+from contracts import admission, strict_json
 from contracts.batches import BatchEndpoint, BatchLine, BatchPublic, BatchRecord, batch_public
 from contracts.errors import ErrorCode
 from contracts.jobs import MAX_PROMPT_CHARS, JobMessage, JobPublic, JobStatus, Sampling
 from contracts.keys import batch_jobs_key, batch_key, job_key
 from contracts.tenants import TenantRecord
 from contracts.webhooks import WebhookTarget, batch_event_id
-from gateway import job_store, strict_json
+from gateway import job_store
 from gateway.config import GatewaySettings
 from gateway.errors import ApiError, problem
 from gateway.openai_schemas import DEFAULT_MAX_TOKENS, ChatCompletionCreate, CompletionCreate

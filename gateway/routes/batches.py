@@ -14,8 +14,8 @@ from redis.exceptions import RedisError
 
 from contracts.batches import BatchPublic
 from contracts.errors import ErrorCode
+from contracts.strict_json import JsonRefusal
 from contracts.webhooks import MAX_URL_CHARS, WebhookTarget
-from gateway import strict_json
 from gateway.auth import TenantDep
 from gateway.batches import (
     BatchCreate,
@@ -28,6 +28,7 @@ from gateway.batches import (
 )
 from gateway.deps import BatchesDep, FilesDep
 from gateway.errors import ADMISSION, AUTHENTICATED, ApiError, invalid, responses, unavailable
+from gateway.json_bodies import loads_off_loop
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
@@ -102,8 +103,8 @@ async def create_batch(
         batch = await batches.create(tenant, lines, "/v1/jobs", webhook, deadline_s)
     else:
         try:
-            payload: Any = await strict_json.loads_off_loop(body)
-        except strict_json.JsonRefusal as exc:
+            payload: Any = await loads_off_loop(body)
+        except JsonRefusal as exc:
             raise ApiError(
                 422, ErrorCode.VALIDATION_ERROR, f"Invalid request: body: {exc}", param="body"
             ) from exc

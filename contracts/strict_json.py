@@ -1,14 +1,11 @@
-"""Strict JSON for every body and JSONL line the gateway reads.
+"""Strict JSON, for every body, JSONL line and file a client or publisher hands us.
 
 Python's ``json`` accepts what JSON does not (``NaN``, ``Infinity``, ``1e400`` as infinity),
 raises ``UnicodeDecodeError`` on invalid UTF-8 and ``ValueError`` on integers past its digit
 limit, decodes ``"\\udcff"`` to a string no encoder takes, and parses nesting deep enough to
 make every later walk of the value (validation, fingerprints, dumps) recurse past the
 interpreter's limit. Here each is a refusal with a reason, so no body a client sends becomes
-a 500.
-
-``StrictJsonBodies`` applies the same rules to every JSON request body before a route sees
-it; a route's own parse (FastAPI's) then only ever meets valid, shallow JSON.
+a 500 or a crash.
 """
 
 from __future__ import annotations
@@ -18,17 +15,8 @@ import math
 import re
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from contracts.errors import ErrorBody, ErrorCode
-from gateway.errors import error_response
-
 MAX_DEPTH = 32
 """Deepest nesting of arrays and objects accepted (our own bodies need 4)."""
-
-THREAD_ABOVE_BYTES = 64 * 1024
-"""Bodies larger than this are parsed in a worker thread, off the event loop."""
 
 
 class JsonRefusal(ValueError):
@@ -99,62 +87,3 @@ def loads(raw: bytes | str) -> Any:
     # Only an escape can make a lone surrogate (the text itself is valid UTF-8).
     _walk(value, strings=_SURROGATE_ESCAPE.search(text) is not None)
     return value
-
-
-async def loads_off_loop(raw: bytes) -> Any:
-    """``loads``, in a worker thread when ``raw`` is large enough to stall the event loop."""
-    if len(raw) > THREAD_ABOVE_BYTES:
-        return await run_in_threadpool(loads, raw)
-    return loads(raw)
-
-
-def is_json(scope: Scope) -> bool:
-    """Does FastAPI read this request's body as JSON (a JSON content type, or none)?"""
-    headers = dict(scope["headers"])
-    content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-    return content_type in (b"", b"application/json") or content_type.endswith(b"+json")
-
-
-class StrictJsonBodies:
-    """Refuse a JSON request body that is not strict JSON (422 ``validation_error``) before
-    the route reads it. The body is already bounded (``BodyLimit`` runs first)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self._app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
-            await self._app(scope, receive, send)
-            return
-        if not is_json(scope):
-            await self._app(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        if body:
-            try:
-                await loads_off_loop(body)
-            except JsonRefusal as exc:
-                refusal = ErrorBody(
-                    code=ErrorCode.VALIDATION_ERROR,
-                    message=f"Invalid request: body: {exc}. Nothing was enqueued.",
-                )
-                await error_response(422, refusal, param="body")(scope, receive, send)
-                return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self._app(scope, replay, send)
