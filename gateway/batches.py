@@ -45,7 +45,7 @@ READ_CHUNK = 500
 class BatchRequest(BaseModel):
     """One request of a lorafleet batch: a job (``POST /v1/jobs`` body) with an id."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     custom_id: str | None = Field(default=None, min_length=1, max_length=256)
     adapter: str
@@ -56,7 +56,7 @@ class BatchRequest(BaseModel):
 class BatchCreate(BaseModel):
     """Body of ``POST /v1/batches`` (lorafleet's shape; or OpenAI's, see ``OpenAIBatchCreate``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     requests: list[dict[str, Any]] = Field(description="job requests, each validated alone")
     webhook: WebhookTarget | None = None
@@ -67,7 +67,7 @@ class BatchCreate(BaseModel):
 class OpenAIBatchCreate(BaseModel):
     """OpenAI's ``POST /v1/batches``: the requests are in an uploaded file."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     input_file_id: str
     endpoint: BatchEndpoint
@@ -76,7 +76,7 @@ class OpenAIBatchCreate(BaseModel):
 
 
 class OpenAILine(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     custom_id: str = Field(min_length=1, max_length=256)
     method: str = "POST"

@@ -290,7 +290,9 @@ def test_healthz_stays_fast_while_another_client_sends_huge_prompts(
     code = "batch_invalid" if route == "/v1/batches" else "prompt_too_long"
     assert answer.status_code == 422 and answer.json()["error"]["code"] == code, answer.text
     assert len(loaded) >= 5, loaded  # the probes ran while the request was being worked on
-    bound = 50 * statistics.quantiles(unloaded, n=10)[-1]
+    # Generous, for a shared machine: a loop blocked by the request stalls for its whole
+    # length (seconds: 5 s for the batch before prompts were bounded), far past this.
+    bound = 100 * statistics.quantiles(unloaded, n=10)[-1]
     assert max(loaded) < bound, (max(loaded), bound, statistics.median(loaded))
     assert admitted_state(private_redis, "heavy") == NOTHING | {
         "records": 1,

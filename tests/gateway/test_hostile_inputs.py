@@ -294,3 +294,20 @@ def test_parameters_of_the_wrong_type_are_refused_not_coerced(
     assert error["code"] in ("validation_error", "unsupported_parameter"), error
     assert field.split(".")[0] in error["message"], error
     assert admitted_state(private_redis, "acme") == NOTHING
+
+
+def test_batch_fields_of_the_wrong_type_are_refused_not_coerced(
+    http: httpx.Client, private_redis: Redis, published: dict[str, AdapterRecord]
+) -> None:
+    job = {"adapter": _cold(published), "prompt": "hi"}
+    refused = http.post("/v1/batches", json={"requests": [job], "deadline_s": "10"})
+    assert _refused(refused, 422, "validation_error")["param"] == "deadline_s"
+    lines = [job | {"sampling": {"max_tokens": "8"}}, job | {"custom_id": 7}, job]
+    body = "\n".join(json.dumps(line) for line in lines).encode()
+    error = _refused(
+        http.post("/v1/batches", content=body, headers={"content-type": "application/jsonl"}),
+        422,
+        "batch_invalid",
+    )
+    assert [d["line"] for d in error["details"]] == [1, 2]
+    assert admitted_state(private_redis, "acme") == NOTHING
