@@ -6,7 +6,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from contracts.errors import ErrorBody
 from contracts.queues import Tier
@@ -18,13 +18,23 @@ MAX_STOP_SEQUENCES = 8
 
 
 class Sampling(BaseModel):
-    """Decoding parameters. ``temperature == 0`` is greedy and therefore reproducible."""
+    """Decoding parameters, as vLLM's ``SamplingParams`` takes them (the defaults are its
+    neutral values). ``temperature == 0`` is greedy and therefore reproducible. Types are
+    strict: ``"8"`` or ``true`` is not a number."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     max_tokens: int = Field(default=64, ge=1, le=4096)
+    min_tokens: int = Field(
+        default=0, ge=0, le=4096, description="tokens generated before EOS or a stop may end it"
+    )
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, le=1_000_000, description="0 or -1: every token")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
     ignore_eos: bool = False
@@ -36,11 +46,17 @@ class Sampling(BaseModel):
             raise ValueError("stop sequences must be non-empty strings")
         return value
 
+    @model_validator(mode="after")
+    def _min_within_max(self) -> Sampling:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens")
+        return self
+
 
 class JobCreate(BaseModel):
     """Body of ``POST /v1/jobs``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     adapter: str = Field(
         pattern=SLUG_PATTERN,

@@ -158,3 +158,13 @@ def batch_jobs_key(batch_id: str) -> str:
 def file_key(file_id: str) -> str:
     """Hash ``{meta, content}`` of an uploaded file (OpenAI's Files API, purpose ``batch``)."""
     return f"{PREFIX}:file:{file_id}"
+
+
+def tenant_files_key(tenant: str) -> str:
+    """Sorted set: the tenant's uploaded file ids by expiry (unix seconds), for its quota."""
+    return f"{PREFIX}:files:{tenant}"
+
+
+def tenant_file_bytes_key(tenant: str) -> str:
+    """Hash: file id -> size in bytes of each of the tenant's uploaded files."""
+    return f"{PREFIX}:files-bytes:{tenant}"

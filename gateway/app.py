@@ -15,6 +15,7 @@ from gateway.body_limit import BodyLimit
 from gateway.config import GatewaySettings, get_settings
 from gateway.errors import install_error_handlers
 from gateway.files import Files
+from gateway.json_bodies import StrictJsonBodies
 from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels
 from gateway.queue import make_producer
@@ -53,7 +54,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.batches = Batches(
             app.state.redis, app.state.producer, app.state.submitter, settings
         )
-        app.state.files = Files(app.state.redis, app.state.batches)
+        app.state.files = Files(app.state.redis, app.state.batches, settings)
         # Subscriptions idle for long stretches: no socket timeout on this connection.
         events = Redis.from_url(
             settings.redis_url,
@@ -71,9 +72,12 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             await events.aclose()
             await app.state.redis.aclose()
             app.state.producer.close()
+            app.state.submitter.close()
 
     app = FastAPI(title="lorafleet gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    # Added first, so it runs inside the body limit: it only ever buffers a bounded body.
+    app.add_middleware(StrictJsonBodies)
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_body_bytes,

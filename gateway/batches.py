@@ -9,7 +9,6 @@ line refuses the whole batch, with every bad line's number and reason; nothing i
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,7 +20,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.asyncio import Redis
 
-from contracts import admission
+from contracts import admission, strict_json
 from contracts.batches import BatchEndpoint, BatchLine, BatchPublic, BatchRecord, batch_public
 from contracts.errors import ErrorCode
 from contracts.jobs import MAX_PROMPT_CHARS, JobMessage, JobPublic, JobStatus, Sampling
@@ -46,7 +45,7 @@ READ_CHUNK = 500
 class BatchRequest(BaseModel):
     """One request of a lorafleet batch: a job (``POST /v1/jobs`` body) with an id."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     custom_id: str | None = Field(default=None, min_length=1, max_length=256)
     adapter: str
@@ -57,7 +56,7 @@ class BatchRequest(BaseModel):
 class BatchCreate(BaseModel):
     """Body of ``POST /v1/batches`` (lorafleet's shape; or OpenAI's, see ``OpenAIBatchCreate``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     requests: list[dict[str, Any]] = Field(description="job requests, each validated alone")
     webhook: WebhookTarget | None = None
@@ -68,7 +67,7 @@ class BatchCreate(BaseModel):
 class OpenAIBatchCreate(BaseModel):
     """OpenAI's ``POST /v1/batches``: the requests are in an uploaded file."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     input_file_id: str
     endpoint: BatchEndpoint
@@ -77,7 +76,7 @@ class OpenAIBatchCreate(BaseModel):
 
 
 class OpenAILine(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     custom_id: str = Field(min_length=1, max_length=256)
     method: str = "POST"
@@ -157,29 +156,82 @@ def parse_openai(item: Any, number: int, endpoint: BatchEndpoint) -> Parsed | Li
     return Parsed(number, submission, line.custom_id, endpoint, submission.adapter)
 
 
-def jsonl(content: bytes) -> list[tuple[int, Any]] | LineError:
-    """``(line number, value)`` of each non-blank line."""
-    items = []
-    for number, raw in enumerate(content.decode("utf-8", errors="replace").splitlines(), 1):
-        if not raw.strip():
+BOM = b"\xef\xbb\xbf"
+
+
+def jsonl(content: bytes) -> list[tuple[int, Any] | LineError]:
+    """``(line number, value)`` of each non-blank line, or why the line is refused.
+
+    Lines end at ``\n`` (or ``\r\n``) only, never at the other characters ``str.splitlines``
+    breaks on; a leading byte-order mark is accepted; a line that is not strict JSON (invalid
+    UTF-8 included: never replaced) is refused. Every line is looked at.
+    """
+    items: list[tuple[int, Any] | LineError] = []
+    for number, raw in enumerate(content.removeprefix(BOM).split(b"\n"), 1):
+        line = raw.removesuffix(b"\r")
+        if not line.strip(b" \t"):
             continue
         try:
-            items.append((number, json.loads(raw)))
-        except json.JSONDecodeError as exc:
-            return LineError(number, f"not JSON: {exc.msg}")
+            items.append((number, strict_json.loads(line)))
+        except strict_json.JsonRefusal as exc:
+            items.append(LineError(number, str(exc)))
     return items
 
 
-def refused(errors: list[LineError], total: int) -> ApiError:
+def openai_file_errors(content: bytes) -> tuple[list[LineError], int]:
+    """Every bad line of an OpenAI batch input file, and how many lines it holds: each line
+    must be a request to one of the batch endpoints, valid for that endpoint."""
+    errors, items = [], jsonl(content)
+    for item in items:
+        if isinstance(item, LineError):
+            errors.append(item)
+            continue
+        number, value = item
+        url = value.get("url") if isinstance(value, dict) else None
+        if url not in ("/v1/completions", "/v1/chat/completions"):
+            errors.append(LineError(number, "url: must be /v1/completions or /v1/chat/completions"))
+            continue
+        parsed = parse_openai(value, number, url)
+        if isinstance(parsed, LineError):
+            errors.append(parsed)
+    return errors, len(items)
+
+
+def refused(
+    errors: list[LineError],
+    total: int,
+    what: str = "batch lines",
+    then: str = "nothing was enqueued",
+) -> ApiError:
     shown = errors[:MAX_LINE_ERRORS]
     where = ", ".join(str(e.line) for e in shown[:10]) + ("…" if len(errors) > 10 else "")
     return ApiError(
         422,
         ErrorCode.BATCH_INVALID,
-        f"{len(errors)} of {total} batch lines are invalid (lines {where}); nothing was "
-        "enqueued. Fix them and submit the batch again.",
+        f"{len(errors)} of {total} {what} are invalid (lines {where}); {then}. Fix them and "
+        "submit again.",
         details=[e.detail() for e in shown],
     )
+
+
+def _check_admissible(tenant: str, jobs: list[JobPublic], limits: admission.BatchLimits) -> None:
+    """Refuse, for good, a batch larger than a limit it must fit in whole: retrying it
+    would be refused forever, so it gets no ``Retry-After``."""
+    why = None
+    if len(jobs) > limits.tenant_max:
+        why = f"tenant {tenant!r} may hold {limits.tenant_max} unfinished jobs"
+    for tier in admission.TIER_ORDER:
+        wanted = sum(job.tier == tier for job in jobs)
+        if why is None and wanted > limits.tier_max[tier]:
+            most = limits.tier_max[tier]
+            why = f"{wanted} of them are for the {tier.value} tier, which holds at most {most}"
+    if why is not None:
+        raise ApiError(
+            422,
+            ErrorCode.BATCH_EXCEEDS_LIMITS,
+            f"A batch of {len(jobs)} jobs can never be admitted: {why}, and a batch is "
+            "admitted whole. Nothing was enqueued; split it into smaller batches.",
+        )
 
 
 class Batches:
@@ -297,6 +349,7 @@ class Batches:
             burst=base.burst,
             tier_max={tier: self._settings.tier_limit(tier) for tier in admission.TIER_ORDER},
         )
+        _check_admissible(tenant.name, jobs, limits)
         expires_at = max(m.deadline_at for m in messages) + admission.LEDGER_GRACE_S
 
         async def admit() -> None:

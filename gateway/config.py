@@ -66,6 +66,21 @@ class GatewaySettings(ServiceSettings):
         ge=1024,
         description="Largest batch body or uploaded batch file; larger is 413.",
     )
+    prompt_threads: int = Field(
+        default=2,
+        ge=1,
+        description="Threads that render chat templates and count prompt tokens, off the "
+        "event loop; requests beyond them wait their turn within their own bound.",
+    )
+    max_files_per_tenant: int = Field(
+        default=100, ge=1, description="Uploaded files (`/v1/files`) one tenant may store."
+    )
+    max_file_bytes_per_tenant: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1024,
+        description="Bytes of uploaded files one tenant may store; over it (or over the "
+        "count) an upload is 429 `file_quota_exceeded`.",
+    )
     fleet_target_jobs_per_worker: int = Field(
         default=64, ge=1, description="Unfinished jobs one worker should hold (`/v1/fleet`)."
     )

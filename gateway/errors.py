@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from contracts.errors import ErrorBody, ErrorCode
 
@@ -25,6 +26,7 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "conflict_error",
     410: "not_found_error",
     413: "invalid_request_error",
@@ -77,7 +79,8 @@ NOT_ADMITTED = "The job was not accepted: {what} ({exc}). Nothing was enqueued; 
 
 # Within the bound, a burst queues for connections and CPU as well as for Redis itself.
 ADMISSION_TIMED_OUT = (
-    "Redis or the queue did not answer within the admission bound, or this gateway is overloaded"
+    "Redis or the queue did not answer within the admission bound or refused the write (full), "
+    "or this gateway is overloaded"
 )
 
 
@@ -139,18 +142,56 @@ async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(422, body, param=str(first["field"]))
 
 
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """The framework's own refusals (no such route, wrong method, a body it could not
+    parse) in our envelope; any other 4xx it raises is a request we cannot read."""
+    assert isinstance(exc, HTTPException)
+    headers = dict(exc.headers) if exc.headers else None
+    if exc.status_code == 404:
+        message = f"No route {request.url.path!r}; see /openapi.json for the API."
+        body = ErrorBody(code=ErrorCode.ROUTE_NOT_FOUND, message=message)
+        return error_response(404, body, headers)
+    if exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path!r}."
+        body = ErrorBody(code=ErrorCode.METHOD_NOT_ALLOWED, message=message)
+        return error_response(405, body, headers)
+    if exc.status_code == 413:
+        body = ErrorBody(code=ErrorCode.PAYLOAD_TOO_LARGE, message=str(exc.detail))
+        return error_response(413, body, headers)
+    if exc.status_code < 500:
+        body = ErrorBody(code=ErrorCode.VALIDATION_ERROR, message=f"Invalid request: {exc.detail}")
+        return error_response(422, body, headers, param="body")
+    body = ErrorBody(code=ErrorCode.INTERNAL_ERROR, message=str(exc.detail))
+    return error_response(exc.status_code, body, headers)
+
+
+async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+    body = ErrorBody(
+        code=ErrorCode.INTERNAL_ERROR,
+        message=f"The gateway failed on this request ({type(exc).__name__}); it was logged.",
+    )
+    return error_response(500, body)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    # The last resort still answers in the envelope (and is still logged and reported).
+    app.add_exception_handler(Exception, _internal_error)
 
 
 _STATUS = {
     ErrorCode.VALIDATION_ERROR: 422,
+    ErrorCode.ROUTE_NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.PROMPT_TOO_LONG: 422,
     ErrorCode.UNSUPPORTED_PARAMETER: 422,
     ErrorCode.WEBHOOK_URL_FORBIDDEN: 422,
     ErrorCode.BATCH_INVALID: 422,
     ErrorCode.BATCH_TOO_LARGE: 413,
+    ErrorCode.BATCH_EXCEEDS_LIMITS: 422,
+    ErrorCode.FILE_QUOTA_EXCEEDED: 429,
     ErrorCode.BATCH_NOT_FOUND: 404,
     ErrorCode.FILE_NOT_FOUND: 404,
     ErrorCode.UNAUTHORIZED: 401,

@@ -8,15 +8,17 @@ import time
 import uuid
 from typing import Any, Literal
 
+from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
 from contracts.batches import BatchLine, error_file_id, output_file_id
 from contracts.errors import ErrorCode
 from contracts.jobs import JobPublic, JobStatus
-from contracts.keys import file_key
+from contracts.keys import file_key, tenant_file_bytes_key, tenant_files_key
 from contracts.tenants import TenantRecord
-from gateway.batches import Batches
+from gateway.batches import Batches, openai_file_errors, refused
+from gateway.config import GatewaySettings
 from gateway.errors import ApiError
 from gateway.openai_schemas import chat_completion_of, completion_of
 
@@ -74,14 +76,55 @@ def _output_line(line: BatchLine, job: JobPublic | None) -> tuple[bool, dict[str
     }
 
 
+# Quota and write in one script, so concurrent uploads can't overshoot the caps. Expired
+# files leave the tenant's index first (their hashes expired with them). The shebang makes
+# a full Redis (noeviction) refuse the whole script up front: nothing is stored past maxmemory.
+_STORE = """#!lua
+local args = cjson.decode(ARGV[1])
+local index, sizes, file = KEYS[1], KEYS[2], KEYS[3]
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', index, '-inf', args.now)) do
+  redis.call('HDEL', sizes, id)
+end
+redis.call('ZREMRANGEBYSCORE', index, '-inf', args.now)
+local count = redis.call('ZCARD', index)
+local used = 0
+for _, size in ipairs(redis.call('HVALS', sizes)) do used = used + tonumber(size) end
+if count + 1 > args.max_count then return {'count', count, used} end
+if used + args.size > args.max_bytes then return {'bytes', count, used} end
+redis.call('HSET', file, 'meta', ARGV[2], 'tenant', args.tenant, 'content', ARGV[3])
+redis.call('EXPIRE', file, args.ttl_s)
+redis.call('ZADD', index, args.expires_at, args.file_id)
+redis.call('HSET', sizes, args.file_id, args.size)
+redis.call('EXPIRE', index, args.ttl_s)
+redis.call('EXPIRE', sizes, args.ttl_s)
+return {'ok', count + 1, used + args.size}
+"""
+
+_DELETE = """
+if redis.call('HGET', KEYS[3], 'tenant') ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[3])
+redis.call('ZREM', KEYS[1], ARGV[2])
+redis.call('HDEL', KEYS[2], ARGV[2])
+return 1
+"""
+
+
+def _keys(tenant: TenantRecord, file_id: str) -> list[str]:
+    """The keys both scripts take: the tenant's file index and sizes, and the file."""
+    return [tenant_files_key(tenant.name), tenant_file_bytes_key(tenant.name), file_key(file_id)]
+
+
 class Files:
-    def __init__(self, redis: Redis, batches: Batches) -> None:
+    def __init__(self, redis: Redis, batches: Batches, settings: GatewaySettings) -> None:
         self._redis = redis
         self._batches = batches
+        self._settings = settings
 
     async def upload(
         self, tenant: TenantRecord, filename: str, purpose: str, content: bytes
     ) -> FileObject:
+        """Store a batch input file, if it is one (JSONL of valid request lines) and fits
+        the tenant's quota; stored as sent, returned byte for byte."""
         if purpose != "batch":
             raise ApiError(
                 422,
@@ -89,26 +132,55 @@ class Files:
                 f"Invalid request: purpose: only 'batch' files are accepted, not {purpose!r}.",
                 param="purpose",
             )
+        errors, total = await run_in_threadpool(openai_file_errors, content)
+        if errors:
+            raise refused(errors, total, what="file lines", then="nothing was stored")
+        if total == 0:
+            raise ApiError(422, ErrorCode.BATCH_INVALID, "The file holds no requests.")
+        now = int(time.time())
         meta = FileObject(
             id="file-" + uuid.uuid4().hex,
             bytes=len(content),
-            created_at=int(time.time()),
+            created_at=now,
             filename=filename,
             purpose=purpose,
         )
-        key = file_key(meta.id)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(
-                key,
-                mapping={
-                    "meta": meta.model_dump_json(),
-                    "tenant": tenant.name,
-                    "content": content.decode("utf-8", errors="replace"),
-                },
+        settings = self._settings
+        args = {
+            "now": now,
+            "expires_at": now + FILE_TTL_S,
+            "file_id": meta.id,
+            "size": len(content),
+            "max_count": settings.max_files_per_tenant,
+            "max_bytes": settings.max_file_bytes_per_tenant,
+            "ttl_s": FILE_TTL_S,
+            "tenant": tenant.name,
+        }
+        keys = _keys(tenant, meta.id)
+        # Valid UTF-8 (checked above), so the text is the bytes, byte for byte.
+        stored = [json.dumps(args), meta.model_dump_json(), content.decode("utf-8")]
+        verdict, count, used = await self._redis.register_script(_STORE)(keys=keys, args=stored)
+        if verdict != "ok":
+            limit = (
+                f"{settings.max_files_per_tenant} files"
+                if verdict == "count"
+                else f"{settings.max_file_bytes_per_tenant} bytes of files"
             )
-            pipe.expire(key, FILE_TTL_S)
-            await pipe.execute()
+            raise ApiError(
+                429,
+                ErrorCode.FILE_QUOTA_EXCEEDED,
+                f"Tenant {tenant.name!r} may store {limit} (it holds {count} files, "
+                f"{used} bytes); this one of {len(content)} bytes was not stored. Delete "
+                f"files (DELETE /v1/files/{{id}}) or wait for them to expire.",
+            )
         return meta
+
+    async def delete(self, tenant: TenantRecord, file_id: str) -> None:
+        """Delete an uploaded file, freeing its share of the tenant's quota."""
+        keys = _keys(tenant, file_id)
+        deleted = await self._redis.register_script(_DELETE)(keys=keys, args=[tenant.name, file_id])
+        if not deleted:
+            raise _not_found(file_id)
 
     async def content_of_upload(self, tenant: TenantRecord, file_id: str) -> bytes:
         async with self._redis.pipeline(transaction=False) as pipe:

@@ -29,15 +29,43 @@ class ChatTemplateError(Exception):
 
 
 @dataclass(frozen=True)
+class Tokens:
+    """A tokenizer, and the most characters one of its tokens stands for."""
+
+    tokenizer: Tokenizer
+    max_token_chars: int
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> Tokens:
+        # A vocabulary entry is never shorter than the text its token decodes to (byte-level
+        # entries spell one byte a character; others spell their text, markers included).
+        longest = max(
+            (len(entry) for entry in tokenizer.get_vocab(with_added_tokens=True)), default=1
+        )
+        return cls(tokenizer, max(1, longest))
+
+
+@dataclass(frozen=True)
 class ServedModel:
     card: BaseModelCard
-    tokenizer: Tokenizer | None
+    tokens: Tokens | None
+
+    def fewest_tokens(self, prompt: str) -> int | None:
+        """A lower bound on the prompt's tokens, found without tokenizing it (``None``
+        without a tokenizer): no token stands for more than ``max_token_chars`` characters."""
+        if self.tokens is None:
+            return None
+        return -(-len(prompt) // self.tokens.max_token_chars)
 
     def count_tokens(self, prompt: str, add_special_tokens: bool = True) -> int | None:
-        """Prompt tokens as the engine will count them; ``None`` without a tokenizer."""
-        if self.tokenizer is None:
+        """Prompt tokens as the engine will count them; ``None`` without a tokenizer.
+
+        Holds the GIL for the whole call (``tokenizers`` does not release it): about a
+        second a megabyte, so callers bound the prompt first."""
+        if self.tokens is None:
             return None
-        return len(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids)
+        encoded = self.tokens.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return len(encoded.ids)
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str | None:
         """The prompt text for ``messages`` with the generation prompt appended, rendered the
@@ -77,13 +105,13 @@ class BaseModels:
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
         self._cards: dict[str, tuple[float, BaseModelCard | None]] = {}
-        self._tokenizers: dict[str, Tokenizer] = {}
+        self._tokenizers: dict[str, Tokens] = {}
 
     async def get(self, digest: str) -> ServedModel | None:
         card = await self._card(digest)
         if card is None:
             return None
-        return ServedModel(card=card, tokenizer=await self._tokenizer(card.tokenizer_sha256))
+        return ServedModel(card=card, tokens=await self._tokenizer(card.tokenizer_sha256))
 
     async def _card(self, digest: str) -> BaseModelCard | None:
         cached = self._cards.get(digest)
@@ -94,12 +122,12 @@ class BaseModels:
         self._cards[digest] = (time.monotonic() + CARD_TTL_S, card)
         return card
 
-    async def _tokenizer(self, sha256: str | None) -> Tokenizer | None:
+    async def _tokenizer(self, sha256: str | None) -> Tokens | None:
         if sha256 is None:
             return None
         if sha256 not in self._tokenizers:
             raw = await self._redis.get(tokenizer_key(sha256))
             if raw is None:
                 return None
-            self._tokenizers[sha256] = Tokenizer.from_str(str(raw))
+            self._tokenizers[sha256] = Tokens.of(Tokenizer.from_str(str(raw)))
         return self._tokenizers[sha256]

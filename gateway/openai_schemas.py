@@ -1,8 +1,10 @@
 """OpenAI-compatible request and response bodies (the subset lorafleet serves).
 
-Parameters OpenAI defines but lorafleet does not implement are refused with
-``unsupported_parameter`` when set to anything but their neutral value, never silently
-ignored; parameters nobody defined (``user``, ``metadata`` …) are ignored as OpenAI does.
+Sampling parameters lorafleet serves are fields (OpenAI's, and vLLM's extensions
+``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``), strictly typed. Every other
+parameter is refused with ``unsupported_parameter`` unless it is set to a value that changes
+nothing (``logprobs: false``, ``tools: []``, ``response_format: {"type": "text"}`` …) or it
+never changes the output (``user``, ``metadata`` …): nothing is silently ignored.
 """
 
 from __future__ import annotations
@@ -18,30 +20,52 @@ from gateway.errors import ApiError
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for ``max_tokens`` when a request leaves it out."""
 
-# Parameter -> its neutral value: anything else is a feature we don't serve.
-_NEUTRAL: dict[str, Any] = {
-    "n": 1,
-    "best_of": 1,
-    "echo": False,
-    "logprobs": None,
-    "top_logprobs": None,
-    "suffix": None,
-    "logit_bias": None,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "tools": None,
-    "tool_choice": None,
-    "response_format": None,
+# Parameter -> the values that change nothing (besides null); anything else is a feature we
+# don't serve. A value matches only with the same type: ``n: true`` is not ``n: 1``.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "suffix": ("",),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "parallel_tool_calls": (True, False),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
 }
+
+# Parameters that never change what is generated: accepted and not used, as OpenAI does.
+_IGNORED = frozenset(
+    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+)
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    return value is None or any(type(value) is type(n) and value == n for n in neutral)
 
 
 class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = Field(description="an adapter alias or channel the tenant is granted")
     max_tokens: int | None = Field(default=None, ge=1, le=4096)
+    min_tokens: int = Field(default=0, ge=0, le=4096, description="vLLM extension")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, description="vLLM extension; 0 or -1: every token")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="vLLM extension")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0, description="vLLM extension")
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -52,12 +76,23 @@ class OpenAIRequest(BaseModel):
     def check(self) -> None:
         """Refuse what the schema can't express: features lorafleet does not serve."""
         for name, value in (self.model_extra or {}).items():
-            if name in _NEUTRAL and value not in (_NEUTRAL[name], None):
+            if name in _IGNORED:
+                continue
+            if name not in _NEUTRAL:
+                raise ApiError(
+                    422,
+                    ErrorCode.UNSUPPORTED_PARAMETER,
+                    f"Parameter {name!r} is not supported by lorafleet; it is refused rather "
+                    "than ignored. Nothing was enqueued.",
+                    param=name,
+                )
+            if not _neutral(value, _NEUTRAL[name]):
+                allowed = " or ".join(repr(n) for n in (None, *_NEUTRAL[name]))
                 raise ApiError(
                     422,
                     ErrorCode.UNSUPPORTED_PARAMETER,
                     f"Parameter {name!r} = {value!r} is not supported by lorafleet "
-                    f"(only {_NEUTRAL[name]!r}). Nothing was enqueued.",
+                    f"(only {allowed}). Nothing was enqueued.",
                     param=name,
                 )
 
@@ -69,8 +104,14 @@ class OpenAIRequest(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return Sampling(
             max_tokens=self.max_tokens or default_max_tokens,
+            min_tokens=self.min_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
             seed=self.seed,
             stop=stop,
             ignore_eos=self.ignore_eos,
@@ -107,12 +148,14 @@ class CompletionCreate(OpenAIRequest):
 
 
 class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]

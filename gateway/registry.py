@@ -76,8 +76,9 @@ async def resolve(redis: Redis, name: str, tenant: str) -> Resolved | None:
 
 
 async def granted_models(redis: Redis, tenant: str) -> list[tuple[str, AdapterRecord]]:
-    """Every alias and channel ``tenant`` may use now (retired aliases excluded), sorted by
-    name, each with the record it resolves to. Names whose record does not parse are left
+    """Every alias and channel ``tenant`` may use now, sorted by name, each with the record
+    it resolves to. Retired aliases are excluded, and so are channels pointing at one: a job
+    naming either is refused (``adapter_retired``). Names whose record does not parse are left
     out (logged and counted): one bad record must not hide the others."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.smembers(grants_key(tenant))
@@ -91,16 +92,17 @@ async def granted_models(redis: Redis, tenant: str) -> list[tuple[str, AdapterRe
         for name in names:
             pipe.get(channel_key(name))
         targets = await pipe.execute()
-    aliases_of = [
-        str(target) if target is not None else name
+    usable = [
+        (name, str(target) if target is not None else name)
         for name, target in zip(names, targets, strict=True)
     ]
+    usable = [(name, alias) for name, alias in usable if alias not in retired]
     async with redis.pipeline(transaction=False) as pipe:
-        for alias in aliases_of:
+        for _, alias in usable:
             pipe.get(adapter_key(alias))
         raws = await pipe.execute()
     models = []
-    for name, alias, raw in zip(names, aliases_of, raws, strict=True):
+    for (name, alias), raw in zip(usable, raws, strict=True):
         if raw is None:
             continue
         try:

@@ -15,6 +15,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -22,12 +23,13 @@ from typing import Any
 import sentry_sdk
 from celery import Celery
 from fastapi.concurrency import run_in_threadpool
+from kombu.exceptions import OperationalError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from contracts import admission
 from contracts.errors import ErrorCode
-from contracts.jobs import JobMessage, JobPublic, JobStatus, Sampling
+from contracts.jobs import MAX_PROMPT_CHARS, JobMessage, JobPublic, JobStatus, Sampling
 from contracts.queues import Tier, queue_for
 from contracts.tenants import TenantRecord
 from contracts.webhooks import WebhookTarget
@@ -95,6 +97,7 @@ class Submitter:
         self._models = models
         self.metrics = metrics
         self._settings = settings
+        self._prompts = ThreadPoolExecutor(settings.prompt_threads, thread_name_prefix="prompts")
 
     async def submit(
         self, tenant: TenantRecord, request: Submission, idempotency: Idempotency | None = None
@@ -127,7 +130,8 @@ class Submitter:
         except ApiError as refused:
             self.metrics.refused.labels(refused.code.value).inc()
             raise
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (RedisError, OSError, TimeoutError, OperationalError) as exc:
+            # OperationalError: the broker refused the publish (e.g. Redis full, noeviction).
             error = unavailable(ADMISSION_TIMED_OUT, exc)
             self.metrics.refused.labels(error.code.value).inc()
             raise error from exc
@@ -178,9 +182,23 @@ class Submitter:
         resolved = cache[request.adapter]
         deadline_s = self._deadline_s(request)
         model = await self._models.get(resolved.record.base_model.digest)
+        # Rendering and tokenizing cost CPU in proportion to the prompt: in the bounded
+        # pool, so a huge request delays only itself, never the event loop.
+        prompt, add_special_tokens = await asyncio.get_running_loop().run_in_executor(
+            self._prompts, self._checked_prompt, request, model, resolved
+        )
+        return Prepared(request, resolved, deadline_s, prompt, add_special_tokens)
+
+    def _checked_prompt(
+        self, request: Submission, model: ServedModel | None, resolved: Resolved
+    ) -> tuple[str, bool]:
         prompt, add_special_tokens = self._prompt(request, model, resolved)
         self._check_length(prompt, add_special_tokens, request.sampling, model)
-        return Prepared(request, resolved, deadline_s, prompt, add_special_tokens)
+        return prompt, add_special_tokens
+
+    def close(self) -> None:
+        """Stop the prompt threads (at shutdown; a running render finishes on its own)."""
+        self._prompts.shutdown(wait=False, cancel_futures=True)
 
     async def _resolve(self, tenant: TenantRecord, name: str) -> Resolved:
         try:
@@ -254,27 +272,33 @@ class Submitter:
                 "/v1/completions with a prompt.",
                 param="messages",
             )
+        if len(rendered) > MAX_PROMPT_CHARS:
+            raise ApiError(
+                422,
+                ErrorCode.PROMPT_TOO_LONG,
+                f"The chat renders to {len(rendered)} characters; at most {MAX_PROMPT_CHARS} "
+                "are accepted, as for a prompt. Nothing was enqueued.",
+                param="messages",
+            )
         return rendered, False
 
     @staticmethod
     def _check_length(
         prompt: str, add_special_tokens: bool, sampling: Sampling, model: ServedModel | None
     ) -> None:
+        """Refuse a prompt that can't fit the context: first by its length alone (so a huge
+        prompt is never tokenized), then by its tokens."""
         if model is None:
             return  # no worker has served this base yet: the worker checks instead
-        tokens = model.count_tokens(prompt, add_special_tokens)
-        if tokens is None:
-            return
         context = model.card.max_model_len
-        if tokens + sampling.max_tokens > context:
-            raise ApiError(
-                422,
-                ErrorCode.PROMPT_TOO_LONG,
-                f"The prompt is {tokens} tokens; with max_tokens {sampling.max_tokens} it needs "
-                f"{tokens + sampling.max_tokens}, more than the model's context of {context} "
-                "tokens. Shorten the prompt or lower max_tokens. Nothing was enqueued.",
-                param="prompt",
-            )
+        fewest = model.fewest_tokens(prompt)
+        if fewest is None:
+            return
+        if fewest + sampling.max_tokens > context:
+            raise _too_long(f"at least {fewest}", sampling.max_tokens, context)
+        tokens = model.count_tokens(prompt, add_special_tokens)
+        if tokens is not None and tokens + sampling.max_tokens > context:
+            raise _too_long(str(tokens), sampling.max_tokens, context)
 
     def job(
         self, tenant: TenantRecord, prepared: Prepared, job_id: str, batch: str | None = None
@@ -361,6 +385,17 @@ class Submitter:
                 "expired. Use a new key.",
             )
         return Admitted(job=job, replayed=True)
+
+
+def _too_long(tokens: str, max_tokens: int, context: int) -> ApiError:
+    return ApiError(
+        422,
+        ErrorCode.PROMPT_TOO_LONG,
+        f"The prompt is {tokens} tokens; with max_tokens {max_tokens} that is more than the "
+        f"model's context of {context} tokens. Shorten the prompt or lower max_tokens. "
+        "Nothing was enqueued.",
+        param="prompt",
+    )
 
 
 UNDO_WAIT_S = 30.0

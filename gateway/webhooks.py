@@ -54,7 +54,7 @@ async def check_target(
     except ValueError:
         try:
             addresses = await resolve(host, port)
-        except OSError as exc:
+        except (OSError, UnicodeError) as exc:  # UnicodeError: a name IDNA can't encode
             raise _forbidden(target.url, f"{host} does not resolve ({exc})", param) from exc
     for ip in addresses:
         reason = address_refusal(ip, settings.webhook_allow_loopback)

@@ -38,6 +38,12 @@ class LocalSettings(BaseSettings):
     max_adapter_bytes: int = Field(
         default=4 * 1024**3, gt=0, description="Largest adapter (all files) accepted at publish."
     )
+    redis_maxmemory_bytes: int = Field(
+        default=1024**3,
+        ge=16 * 1024**2,
+        description="`maxmemory` of the private Valkey server (policy `noeviction`: a full "
+        "Redis refuses writes, answered 503, and never drops a record, ledger entry or job).",
+    )
     gateway_port: int = Field(default=0, ge=0, description="Gateway port; 0 picks a free one.")
     startup_timeout_s: float = Field(
         default=600.0, gt=0, description="How long `stack up` waits for every service to be ready."

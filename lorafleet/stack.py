@@ -147,6 +147,11 @@ class LocalStack:
                 "127.0.0.1",
                 "--save",
                 "",
+                # Full: refuse writes (503s) rather than evict records, ledgers or queues.
+                "--maxmemory",
+                str(self.settings.redis_maxmemory_bytes),
+                "--maxmemory-policy",
+                "noeviction",
                 *persistence,
                 "--dir",
                 self._scratch.name,

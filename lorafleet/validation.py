@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from contracts.errors import ErrorCode
-from lorafleet import strict_json
+from contracts import strict_json
 from lorafleet.weights import (
     SCANNED_DTYPES,
     TensorInfo,
@@ -138,8 +138,8 @@ def _check_files(directory: Path, limits: Limits) -> None:
 
 def _read_config(directory: Path) -> dict[str, Any]:
     try:
-        config = strict_json.loads((directory / CONFIG_FILE).read_bytes())
-    except strict_json.StrictJSONError as exc:
+        config = strict_json.loads((directory / CONFIG_FILE).read_bytes(), unique_keys=True)
+    except strict_json.JsonRefusal as exc:
         raise _fail(
             ErrorCode.ADAPTER_CONFIG_INVALID, f"{CONFIG_FILE} is not valid JSON: {exc}", exc.field
         ) from exc

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lorafleet import strict_json
+from contracts import strict_json
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 SCAN_CHUNK_BYTES = 1024 * 1024
@@ -78,7 +78,7 @@ def read_header(path: Path) -> Header:
         (length,) = struct.unpack("<Q", prefix)
         if length > min(MAX_HEADER_BYTES, size - 8):
             raise ValueError(f"header length {length} does not fit the file")
-        header = strict_json.loads(handle.read(length))
+        header = strict_json.loads(handle.read(length), unique_keys=True)
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     metadata = header.pop("__metadata__", None)

@@ -67,8 +67,14 @@ def _check_deadline(message: JobMessage, doing: str) -> None:
 def _sampling_params(sampling: Sampling, stream: bool) -> SamplingParams:
     return SamplingParams(
         max_tokens=sampling.max_tokens,
+        min_tokens=sampling.min_tokens,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
         seed=sampling.seed,
         stop=sampling.stop or None,
         ignore_eos=sampling.ignore_eos,

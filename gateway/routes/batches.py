@@ -3,29 +3,32 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from contracts.batches import BatchPublic
 from contracts.errors import ErrorCode
-from contracts.webhooks import WebhookTarget
+from contracts.strict_json import JsonRefusal
+from contracts.webhooks import MAX_URL_CHARS, WebhookTarget
 from gateway.auth import TenantDep
 from gateway.batches import (
     BatchCreate,
     LineError,
     OpenAIBatchCreate,
+    Parsed,
     jsonl,
     parse_native,
     parse_openai,
-    refused,
 )
 from gateway.deps import BatchesDep, FilesDep
 from gateway.errors import ADMISSION, AUTHENTICATED, ApiError, invalid, responses, unavailable
+from gateway.json_bodies import loads_off_loop
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
@@ -65,6 +68,7 @@ def _not_found(batch_id: str) -> ApiError:
         ErrorCode.WEBHOOK_URL_FORBIDDEN,
         ErrorCode.BATCH_INVALID,
         ErrorCode.BATCH_TOO_LARGE,
+        ErrorCode.BATCH_EXCEEDS_LIMITS,
         ErrorCode.FILE_NOT_FOUND,
     ),
 )
@@ -75,9 +79,16 @@ async def create_batch(
     batches: BatchesDep,
     files: FilesDep,
     webhook_url: Annotated[
-        str | None, Query(description="JSONL bodies: the batch's webhook URL")
+        str | None,
+        Query(
+            min_length=1,
+            max_length=MAX_URL_CHARS,
+            description="JSONL bodies: the batch's webhook URL",
+        ),
     ] = None,
-    deadline_s: Annotated[float | None, Query(gt=0, description="JSONL bodies")] = None,
+    deadline_s: Annotated[
+        float | None, Query(gt=0, allow_inf_nan=False, description="JSONL bodies")
+    ] = None,
 ) -> BatchPublic:
     """Validate every request, then enqueue all of them (or none): a JSON body
     ``{"requests": [...], "webhook"?, "deadline_s"?}``, a JSONL body (one job a line), or
@@ -85,18 +96,17 @@ async def create_batch(
     content_type = request.headers.get("content-type", "").split(";")[0].strip()
     body = await request.body()
     if content_type in JSONL_TYPES:
-        items = jsonl(body)
-        if isinstance(items, LineError):
-            raise refused([items], 1)
-        lines = [parse_native(item, number) for number, item in items]
+        # Parsing a large body takes long enough to stall every other request: off the loop.
+        items = await run_in_threadpool(jsonl, body)
+        lines = [_parsed(item, parse_native) for item in items]
         webhook = WebhookTarget(url=webhook_url) if webhook_url else None
         batch = await batches.create(tenant, lines, "/v1/jobs", webhook, deadline_s)
     else:
         try:
-            payload: Any = json.loads(body)
-        except json.JSONDecodeError as exc:
+            payload: Any = await loads_off_loop(body)
+        except JsonRefusal as exc:
             raise ApiError(
-                422, ErrorCode.VALIDATION_ERROR, f"Invalid request: body: not JSON ({exc.msg})"
+                422, ErrorCode.VALIDATION_ERROR, f"Invalid request: body: {exc}", param="body"
             ) from exc
         if isinstance(payload, dict) and "input_file_id" in payload:
             try:
@@ -104,10 +114,11 @@ async def create_batch(
             except ValidationError as exc:
                 raise invalid(exc) from exc
             content = await files.content_of_upload(tenant, spec.input_file_id)
-            items = jsonl(content)
-            if isinstance(items, LineError):
-                raise refused([items], 1)
-            lines = [parse_openai(item, number, spec.endpoint) for number, item in items]
+            items = await run_in_threadpool(jsonl, content)
+            endpoint = spec.endpoint
+            lines = [
+                _parsed(item, lambda value, n: parse_openai(value, n, endpoint)) for item in items
+            ]
             batch = await batches.create(
                 tenant,
                 lines,
@@ -126,6 +137,12 @@ async def create_batch(
             )
     response.headers["Location"] = f"/v1/batches/{batch.id}"
     return batch
+
+
+def _parsed(
+    item: tuple[int, Any] | LineError, parse: Callable[[Any, int], Parsed | LineError]
+) -> Parsed | LineError:
+    return item if isinstance(item, LineError) else parse(item[1], item[0])
 
 
 @router.get(

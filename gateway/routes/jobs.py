@@ -31,6 +31,7 @@ IdempotencyKeyHeader = Annotated[
     str | None,
     Header(
         alias="Idempotency-Key",
+        min_length=1,
         max_length=255,
         description="Same key and body within 24 h: the same job (200), enqueued once.",
     ),

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import RedisError
@@ -52,6 +52,7 @@ from gateway.openai_schemas import (
     info_of,
 )
 from gateway.registry import granted_models
+from gateway.routes.jobs import IdempotencyKeyHeader
 from gateway.streams import StreamDiverged, follow
 from gateway.submit import Idempotency, Submission
 
@@ -72,8 +73,6 @@ _JOB_FAILED = (
 _COMPLETION_ERRORS = responses(
     *ADMISSION, ErrorCode.UNSUPPORTED_PARAMETER, ErrorCode.TIMEOUT, *_JOB_FAILED
 )
-
-IdempotencyKeyHeader = Annotated[str | None, Header(alias="Idempotency-Key", max_length=255)]
 
 
 @router.get("/models", response_model=ModelList, responses=responses(*AUTHENTICATED))

@@ -1,7 +1,8 @@
 """A private gateway for admission tests: in this process, on its own Redis database.
 
-No worker consumes that database, so admitted jobs stay admitted while a test counts them;
-the registry and the base-model cards are copied from the session's database.
+No worker consumes that database, so admitted jobs stay admitted while a test counts them.
+It needs no worker at all: the registry is copied from the session's database and the
+base model's card is described from the fixture model, as a worker would publish it.
 """
 
 from __future__ import annotations
@@ -10,22 +11,52 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import uvicorn
 from redis import Redis
 
-from contracts.keys import ADAPTERS_INDEX
-from contracts.registry import AdapterRecord
+from contracts.keys import ADAPTERS_INDEX, DEADLINES, tenant_ledger_key, tier_ledger_key
+from contracts.queues import Tier, queue_for
+from contracts.registry import AdapterRecord, BaseModelRef
 from contracts.tenants import ALL_ADAPTERS, TenantLimits
 from gateway.app import create_app
 from gateway.config import GatewaySettings
 from lorafleet.processes import free_port
-from lorafleet.stack import LocalStack
+from lorafleet.stack import CPU_ENGINE_DEFAULTS, LocalStack
 from lorafleet.tenants import Tenants
+from worker import model_card
 
 PRIVATE_DB = 1
+
+
+def admitted_state(redis: Redis, tenant: str) -> dict[str, int]:
+    """Everything an admission (job or batch) or an upload can leave behind, counted; a
+    refusal must leave all of it at zero."""
+    return {
+        "records": len(list(redis.scan_iter("lorafleet:job:*"))),
+        "batches": len(list(redis.scan_iter("lorafleet:batch:*"))),
+        "idempotency_keys": len(list(redis.scan_iter("lorafleet:idem:*"))),
+        "files": len(list(redis.scan_iter("lorafleet:file:*"))),
+        "tier_ledgers": sum(int(redis.zcard(tier_ledger_key(t.value))) for t in Tier),  # type: ignore[arg-type]
+        "tenant_ledger": int(redis.zcard(tenant_ledger_key(tenant))),  # type: ignore[arg-type]
+        "queued": sum(int(redis.llen(queue_for(t))) for t in Tier),  # type: ignore[arg-type]
+        "deadlines": int(redis.zcard(DEADLINES)),  # type: ignore[arg-type]
+    }
+
+
+NOTHING = {
+    "records": 0,
+    "batches": 0,
+    "idempotency_keys": 0,
+    "files": 0,
+    "tier_ledgers": 0,
+    "tenant_ledger": 0,
+    "queued": 0,
+    "deadlines": 0,
+}
 
 
 @contextmanager
@@ -49,16 +80,33 @@ def serving(settings: GatewaySettings) -> Iterator[str]:
         thread.join(30)
 
 
+@pytest.fixture(scope="session")
+def base_card(base_model: BaseModelRef) -> tuple[Any, str | None]:
+    """The fixture model's card and tokenizer, described as the stack's worker describes
+    them (the local stack's context length), without starting an engine."""
+    from transformers import AutoTokenizer
+
+    engine = SimpleNamespace(
+        get_tokenizer=lambda: AutoTokenizer.from_pretrained(base_model.id),
+        model_config=SimpleNamespace(
+            max_model_len=int(CPU_ENGINE_DEFAULTS["LORAFLEET_MAX_MODEL_LEN"])
+        ),
+    )
+    return model_card.describe(engine, base_model)
+
+
 @pytest.fixture
-def private_redis(stack: LocalStack, published: dict[str, AdapterRecord]) -> Iterator[Redis]:
-    """Database ``PRIVATE_DB``, emptied, holding the session's registry and model cards."""
-    source = stack.redis()
-    private = Redis.from_url(_url(stack, PRIVATE_DB), decode_responses=True)
+def private_redis(
+    infra: LocalStack, published: dict[str, AdapterRecord], base_card: tuple[Any, str | None]
+) -> Iterator[Redis]:
+    """Database ``PRIVATE_DB``, emptied, holding the session's registry and the model card."""
+    source = infra.redis()
+    private = Redis.from_url(_url(infra, PRIVATE_DB), decode_responses=True)
     private.flushdb()
-    for pattern in ("lorafleet:adapter:*", "lorafleet:base:*", "lorafleet:tokenizer:*"):
-        for key in source.scan_iter(pattern):
-            private.set(key, source.get(key))  # type: ignore[arg-type]
+    for key in source.scan_iter("lorafleet:adapter:*"):
+        private.set(key, source.get(key))  # type: ignore[arg-type]
     private.sadd(ADAPTERS_INDEX, *published)
+    model_card.publish(private, *base_card)
     yield private
     private.flushdb()
     private.close()
@@ -69,12 +117,12 @@ def _url(stack: LocalStack, db: int) -> str:
 
 
 @pytest.fixture
-def private_gateway(stack: LocalStack, private_redis: Redis) -> Callable[..., Any]:
+def private_gateway(infra: LocalStack, private_redis: Redis) -> Callable[..., Any]:
     """``private_gateway(**settings)``: a context manager serving a gateway on the private
     database with those settings."""
 
     def start(**overrides: Any) -> Any:
-        options: dict[str, Any] = {"redis_url": _url(stack, PRIVATE_DB)} | overrides
+        options: dict[str, Any] = {"redis_url": _url(infra, PRIVATE_DB)} | overrides
         return serving(GatewaySettings(**options))
 
     return start

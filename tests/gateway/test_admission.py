@@ -161,13 +161,13 @@ def test_admission_whose_reply_outlasts_the_bound_is_503_and_leaves_nothing(
     private_gateway: Callable[..., Any],
     tenant_key: Callable[..., str],
     private_redis: Redis,
-    stack: LocalStack,
+    infra: LocalStack,
     published: dict[str, AdapterRecord],
 ) -> None:
     """The admission script runs in Redis, but its answer comes after the request's bound:
     the caller gets 503, so the record, the ledger slots and the token must not stay."""
     key = tenant_key("late", rate_per_s=0.01, burst=2)
-    redis_port = int(stack.redis_url.rsplit(":", 1)[1].split("/")[0])
+    redis_port = int(infra.redis_url.rsplit(":", 1)[1].split("/")[0])
     admit_sha = hashlib.sha1(admission.ADMIT.encode()).hexdigest().encode()
     with slow_replies(redis_port, [admit_sha], delay_s=1.5) as port:
         proxied = f"redis://127.0.0.1:{port}/{PRIVATE_DB}"

@@ -135,7 +135,12 @@ def test_a_batch_with_bad_lines_is_refused_whole_with_line_numbers(
         "/v1/batches", content=jsonl, headers={"content-type": "application/jsonl"}
     )
     assert bad_jsonl.status_code == 422
-    assert bad_jsonl.json()["error"]["details"][0]["line"] == 2
+    # Every bad line is reported, not only the first one that is not JSON.
+    details = bad_jsonl.json()["error"]["details"]
+    assert [(d["line"], d["code"]) for d in details] == [
+        (1, "adapter_not_found"),
+        (2, "validation_error"),
+    ]
     # Line numbers are the file's own, blank lines included.
     gap = f'{{"adapter": "{hot_alias(published)}", "prompt": "hi"}}\n\n{{"adapter": "x"}}\n'
     with_gap = http.post(

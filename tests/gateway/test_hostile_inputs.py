@@ -1,0 +1,313 @@
+"""Whatever a client sends, the answer is a 4xx in our envelope with a stable code, and a
+refused request leaves nothing behind (no record, no ledger entry, nothing queued).
+
+Against an in-process gateway on the private database (no worker needed)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from redis import Redis
+
+from contracts.queues import Tier, queue_for
+from contracts.registry import AdapterRecord
+from lorafleet.client import auth_headers
+from tests.gateway.conftest import NOTHING, admitted_state
+
+DEEP = "[" * 5000 + "]" * 5000
+SHALLOW_BUT_TOO_DEEP = "[" * 40 + "]" * 40
+
+
+def _cold(published: dict[str, AdapterRecord]) -> str:
+    return next(r.alias for r in published.values() if r.tier == Tier.COLD)
+
+
+@pytest.fixture
+def http(
+    private_gateway: Callable[..., Any], tenant_key: Callable[..., str]
+) -> Iterator[httpx.Client]:
+    """A client of a private gateway as tenant ``acme``; completions give up at once (no
+    worker runs their jobs), so an accepted one answers 504 ``timeout``."""
+    key = tenant_key("acme")
+    with (
+        private_gateway(completion_timeout_s=0.2) as url,
+        httpx.Client(base_url=url, headers=auth_headers(key), timeout=60) as client,
+    ):
+        yield client
+
+
+def _refused(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert error["code"] == code, error
+    assert error["message"] and error["type"]
+    return error
+
+
+# Each route's body with VALUE in a field it ignores or does not read deeply.
+TEMPLATES = {
+    "/v1/jobs": '{"adapter": "ADAPTER", "prompt": "hi", "sampling": VALUE}',
+    "/v1/completions": '{"model": "ADAPTER", "prompt": "hi", "user": VALUE}',
+    "/v1/chat/completions": (
+        '{"model": "ADAPTER", "messages": [{"role": "user", "content": "hi"}], "metadata": VALUE}'
+    ),
+    "/v1/batches": '{"requests": [{"adapter": "ADAPTER", "prompt": "hi"}], "metadata": VALUE}',
+}
+
+HOSTILE: dict[str, Callable[[str], bytes]] = {
+    "invalid UTF-8": lambda shaped: shaped.replace("VALUE", "{}").encode().replace(b"hi", b"h\xff"),
+    "deep nesting in a field the route ignores": lambda shaped: shaped.replace(
+        "VALUE", DEEP
+    ).encode(),
+    "nesting past the bound": lambda shaped: shaped.replace("VALUE", SHALLOW_BUT_TOO_DEEP).encode(),
+    "NaN": lambda shaped: shaped.replace("VALUE", "NaN").encode(),
+    "-Infinity": lambda shaped: shaped.replace("VALUE", "-Infinity").encode(),
+    "1e400": lambda shaped: shaped.replace("VALUE", "1e400").encode(),
+    "a 5000-digit integer": lambda shaped: shaped.replace("VALUE", "9" * 5000).encode(),
+    "not JSON": lambda shaped: shaped.replace("VALUE", "{").encode(),
+    "trailing garbage": lambda shaped: shaped.replace("VALUE", "{}").encode() + b"x",
+    "a lone surrogate escape": lambda shaped: shaped.replace("VALUE", '"\\udcff"').encode(),
+}
+
+
+@pytest.mark.parametrize("route", list(TEMPLATES))
+def test_no_hostile_json_body_is_a_500_or_leaves_anything(
+    http: httpx.Client, private_redis: Redis, published: dict[str, AdapterRecord], route: str
+) -> None:
+    shaped = TEMPLATES[route].replace("ADAPTER", _cold(published))
+    for name, make in HOSTILE.items():
+        response = http.post(
+            route, content=make(shaped), headers={"content-type": "application/json"}
+        )
+        error = _refused(response, 422, "validation_error")
+        assert "body" in error["message"], (name, error)
+    assert admitted_state(private_redis, "acme") == NOTHING
+
+
+def test_a_deeply_nested_body_without_a_content_type_is_refused_too(
+    http: httpx.Client, private_redis: Redis, published: dict[str, AdapterRecord]
+) -> None:
+    body = TEMPLATES["/v1/completions"].replace("ADAPTER", _cold(published)).replace("VALUE", DEEP)
+    response = http.post("/v1/completions", content=body.encode(), headers={"content-type": ""})
+    _refused(response, 422, "validation_error")
+    assert admitted_state(private_redis, "acme") == NOTHING
+
+
+def test_framework_errors_come_in_our_envelope(http: httpx.Client) -> None:
+    error = _refused(http.get("/v1/no-such-route"), 404, "route_not_found")
+    assert "/v1/no-such-route" in error["message"]
+    assert error["type"] == "not_found_error"
+    error = _refused(http.delete("/v1/models"), 405, "method_not_allowed")
+    assert "DELETE" in error["message"]
+    _refused(httpx.get(str(http.base_url).rstrip("/") + "/v1/nothing"), 404, "route_not_found")
+    # A multipart body the parser cannot read.
+    broken = http.post(
+        "/v1/files",
+        content=b'--xyz\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch',
+        headers={"content-type": "multipart/form-data; boundary=xyz"},
+    )
+    assert broken.status_code == 422 and broken.json()["error"]["code"] == "validation_error"
+
+
+@pytest.mark.parametrize("route", ["/v1/jobs", "/v1/completions"])
+def test_an_empty_idempotency_key_is_refused(
+    http: httpx.Client, private_redis: Redis, published: dict[str, AdapterRecord], route: str
+) -> None:
+    adapter = _cold(published)
+    body = (
+        {"adapter": adapter, "prompt": "hi"}
+        if route == "/v1/jobs"
+        else {"model": adapter, "prompt": "hi"}
+    )
+    for key in ("", "k" * 256):
+        response = http.post(route, json=body, headers={"Idempotency-Key": key})
+        error = _refused(response, 422, "validation_error")
+        assert "Idempotency-Key" in error["message"], error
+    assert admitted_state(private_redis, "acme") == NOTHING
+
+
+def test_over_long_and_non_finite_query_parameters_are_refused(
+    http: httpx.Client, private_redis: Redis, published: dict[str, AdapterRecord]
+) -> None:
+    line = json.dumps({"adapter": _cold(published), "prompt": "hi"}).encode()
+    jsonl = {"content-type": "application/jsonl"}
+    for params in (
+        {"webhook_url": "https://example.com/" + "a" * 3000},
+        {"webhook_url": "https://" + "a" * 100 + ".example.com/hook"},  # IDNA can't encode it
+        {"webhook_url": ""},
+        {"deadline_s": "nan"},
+        {"deadline_s": "-1"},
+        {"deadline_s": "1e999"},
+    ):
+        response = http.post("/v1/batches", content=line, params=params, headers=jsonl)
+        assert response.status_code == 422, (params, response.text)
+        assert response.json()["error"]["code"] in ("validation_error", "webhook_url_forbidden")
+    for wait in ("nan", "inf", "1e999", "-1", "x" * 5000):
+        _refused(http.get("/v1/jobs/abc", params={"wait_s": wait}), 422, "validation_error")
+    _refused(http.get("/v1/jobs/" + "x" * 5000), 404, "job_not_found")
+    _refused(http.get("/v1/files/" + "x" * 5000), 404, "file_not_found")
+    assert admitted_state(private_redis, "acme") == NOTHING
+
+
+def _queued_sampling(redis: Redis) -> dict[str, Any]:
+    """The sampling of the one message queued on the cold tier (kombu's envelope)."""
+    (raw,) = redis.lrange(queue_for(Tier.COLD), 0, -1)  # type: ignore[misc]
+    envelope = json.loads(raw)
+    import base64
+
+    args = json.loads(base64.b64decode(envelope["body"]))[0]
+    sampling: dict[str, Any] = args[0]["sampling"]
+    return sampling
+
+
+NEUTRAL = [
+    {"logprobs": False},
+    {"logprobs": 0},
+    {"top_logprobs": 0},
+    {"tools": []},
+    {"tool_choice": "none"},
+    {"functions": []},
+    {"response_format": {"type": "text"}},
+    {"n": 1, "best_of": 1, "echo": False, "suffix": None, "logit_bias": {}},
+    {"user": "someone", "metadata": {"a": "b"}, "store": False},
+]
+
+
+@pytest.mark.parametrize("extra", NEUTRAL, ids=lambda e: ",".join(e))
+def test_neutral_openai_parameters_are_accepted(
+    http: httpx.Client,
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+    extra: dict[str, Any],
+) -> None:
+    body = {"model": _cold(published), "prompt": "hi", "max_tokens": 4} | extra
+    response = http.post("/v1/completions", json=body)
+    # Admitted and enqueued: no worker runs it here, so the wait ends in 504 timeout.
+    _refused(response, 504, "timeout")
+    assert admitted_state(private_redis, "acme")["queued"] == 1
+
+
+def test_output_changing_parameters_reach_the_engine_request(
+    http: httpx.Client, private_redis: Redis, published: dict[str, AdapterRecord]
+) -> None:
+    body = {
+        "model": _cold(published),
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 6,
+        "min_tokens": 3,
+        "top_k": 5,
+        "min_p": 0.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.3,
+    }
+    _refused(http.post("/v1/chat/completions", json=body), 504, "timeout")
+    sampling = _queued_sampling(private_redis)
+    assert {k: sampling[k] for k in ("max_tokens", "min_tokens", "top_k", "min_p")} == {
+        "max_tokens": 6,
+        "min_tokens": 3,
+        "top_k": 5,
+        "min_p": 0.1,
+    }
+    assert (sampling["presence_penalty"], sampling["frequency_penalty"]) == (0.5, -0.5)
+    assert sampling["repetition_penalty"] == 1.3
+
+
+UNSUPPORTED = [
+    ("n", 2),
+    ("n", True),  # not 1: a bool
+    ("logprobs", True),
+    ("logprobs", 3),
+    ("top_logprobs", 2),
+    ("echo", True),
+    ("best_of", 3),
+    ("suffix", "end"),
+    ("logit_bias", {"50256": -100}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("functions", [{"name": "f", "parameters": {}}]),
+    ("function_call", {"name": "f"}),
+    ("response_format", {"type": "json_object"}),
+    ("guided_json", {"type": "object"}),
+    ("use_beam_search", True),
+    ("no_such_parameter", 1),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), UNSUPPORTED, ids=lambda v: str(v)[:20])
+def test_output_changing_parameters_lorafleet_does_not_serve_are_refused(
+    http: httpx.Client,
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+    name: str,
+    value: Any,
+) -> None:
+    body = {"model": _cold(published), "prompt": "hi", name: value}
+    error = _refused(http.post("/v1/completions", json=body), 422, "unsupported_parameter")
+    assert error["param"] == name and name in error["message"]
+    assert admitted_state(private_redis, "acme") == NOTHING
+
+
+STRICT = [
+    ("/v1/completions", {"max_tokens": "8"}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 8.0}, "max_tokens"),
+    ("/v1/completions", {"stream": "yes"}, "stream"),
+    ("/v1/completions", {"temperature": "1"}, "temperature"),
+    ("/v1/completions", {"top_k": "5"}, "top_k"),
+    ("/v1/completions", {"seed": 1.5}, "seed"),
+    ("/v1/completions", {"stop": 5}, "stop"),
+    ("/v1/completions", {"min_tokens": 10, "max_tokens": 4}, "min_tokens"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+    ("/v1/jobs", {"sampling": {"max_tokens": "8"}}, "sampling.max_tokens"),
+    ("/v1/jobs", {"sampling": {"ignore_eos": "yes"}}, "sampling.ignore_eos"),
+    ("/v1/jobs", {"deadline_s": "10"}, "deadline_s"),
+    ("/v1/jobs", {"prompt": 5}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("route", "extra", "field"), STRICT, ids=lambda v: str(v)[:30])
+def test_parameters_of_the_wrong_type_are_refused_not_coerced(
+    http: httpx.Client,
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+    route: str,
+    extra: dict[str, Any],
+    field: str,
+) -> None:
+    adapter = _cold(published)
+    base: dict[str, Any] = {
+        "/v1/jobs": {"adapter": adapter, "prompt": "hi"},
+        "/v1/completions": {"model": adapter, "prompt": "hi"},
+        "/v1/chat/completions": {"model": adapter, "messages": [{"role": "user", "content": "hi"}]},
+    }[route]
+    response = http.post(route, json=base | extra)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["code"] in ("validation_error", "unsupported_parameter"), error
+    assert field.split(".")[0] in error["message"], error
+    assert admitted_state(private_redis, "acme") == NOTHING
+
+
+def test_batch_fields_of_the_wrong_type_are_refused_not_coerced(
+    http: httpx.Client, private_redis: Redis, published: dict[str, AdapterRecord]
+) -> None:
+    job = {"adapter": _cold(published), "prompt": "hi"}
+    refused = http.post("/v1/batches", json={"requests": [job], "deadline_s": "10"})
+    assert _refused(refused, 422, "validation_error")["param"] == "deadline_s"
+    lines = [job | {"sampling": {"max_tokens": "8"}}, job | {"custom_id": 7}, job]
+    body = "\n".join(json.dumps(line) for line in lines).encode()
+    error = _refused(
+        http.post("/v1/batches", content=body, headers={"content-type": "application/jsonl"}),
+        422,
+        "batch_invalid",
+    )
+    assert [d["line"] for d in error["details"]] == [1, 2]
+    assert admitted_state(private_redis, "acme") == NOTHING
