@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from contracts.errors import ErrorCode
 from contracts import strict_json
+from contracts.errors import ErrorCode
 from lorafleet.weights import (
     SCANNED_DTYPES,
     TensorInfo,
