@@ -145,6 +145,18 @@ def test_config_with_a_key_twice_is_refused(adapter: Path, refused: Any) -> None
     )
 
 
+@pytest.mark.parametrize("depth", [33, 100_000])
+def test_config_nested_too_deep_is_refused_not_a_crash(
+    adapter: Path, refused: Any, depth: int
+) -> None:
+    """Python's own parser dies of recursion at about a thousand levels; either way the
+    publisher answers with a code, not a traceback."""
+    _config_with(adapter, "megatron_config", "[" * depth + "]" * depth)
+    failure = refused()
+    assert failure.code == ErrorCode.ADAPTER_CONFIG_INVALID
+    assert "nested more than" in failure.message
+
+
 @pytest.mark.parametrize(
     ("field", "literal"),
     [
