@@ -95,6 +95,29 @@ class JobMessage(BaseModel):
     accepted_at: float = Field(description="gateway clock, unix seconds")
     deadline_at: float = Field(description="gateway clock, unix seconds")
 
+    def wire(self) -> dict[str, object]:
+        """The message as it is published. Sampling parameters added after the first release
+        are written only when they are not neutral: during a rolling deploy a worker that
+        predates them (it forbids unknown fields) still runs every job that does not use
+        them."""
+        data = self.model_dump(mode="json")
+        sampling = data["sampling"]
+        for name in ADDED_SAMPLING:
+            if sampling[name] == Sampling.model_fields[name].default:
+                del sampling[name]
+        return data
+
+
+ADDED_SAMPLING = (
+    "min_tokens",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+"""``Sampling`` fields that workers of the first release do not know."""
+
 
 class JobStatus(StrEnum):
     QUEUED = "queued"

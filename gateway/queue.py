@@ -27,7 +27,7 @@ def enqueue_many(producer: Celery, messages: list[JobMessage]) -> None:
         for message in messages:
             producer.send_task(
                 RUN_JOB_TASK,
-                args=[message.model_dump(mode="json")],
+                args=[message.wire()],
                 queue=queue_for(message.tier),
                 task_id=message.job_id,
                 connection=connection,
@@ -40,7 +40,7 @@ def enqueue(producer: Celery, message: JobMessage) -> str:
     queue = queue_for(message.tier)
     producer.send_task(
         RUN_JOB_TASK,
-        args=[message.model_dump(mode="json")],
+        args=[message.wire()],
         queue=queue,
         task_id=message.job_id,
     )
