@@ -14,9 +14,11 @@ Every change goes through ``ADVANCE``, a compare-and-set that
   (``contracts.admission``) and from the deadline index; creates its webhook event and
   schedules its first delivery
   attempt, if it has a webhook; counts it in its batch, and creates the batch's webhook event
-  when it is the batch's last job; publishes its id on ``JOB_EVENTS`` (waiters wake), and on
-  ``JOB_CANCELS`` when it becomes cancelled (the worker running it aborts it). So every
-  effect of a job's outcome happens exactly once, however often the job is delivered.
+  when it is the batch's last job; appends the end marker (``STREAM_END``) to its stream if
+  it has one (streaming readers end at once); publishes its id on ``JOB_EVENTS`` (waiters
+  wake), and on ``JOB_CANCELS`` when it becomes cancelled (the worker running it aborts
+  it). So every effect of a job's outcome happens exactly once, however often the job is
+  delivered.
 
 A worker starts an attempt with ``CLAIM`` (the same compare-and-set on ``attempts``, refused
 while another attempt holds the job's lease) and keeps its lease alive with ``RENEW``;
@@ -34,6 +36,7 @@ from contracts.keys import (
     DEADLINES,
     JOB_CANCELS,
     JOB_EVENTS,
+    STREAM_END,
     WEBHOOKS_DUE,
     batch_key,
     job_key,
@@ -94,6 +97,9 @@ if terminal(ARGV[1]) then
         create_event(KEYS[9], KEYS[7], ARGV[11], url, ARGV[8], 'batch', ARGV[10], ARGV[3], now)
       end
     end
+  end
+  if redis.call('EXISTS', KEYS[12]) == 1 then
+    redis.call('XADD', KEYS[12], '*', '{STREAM_END}', ARGV[1])
   end
   redis.call('PUBLISH', KEYS[2], ARGV[6])
 end
@@ -215,6 +221,7 @@ def advance_call(
         webhook_event_key(batch_event_id(job.batch)) if job.batch else NO_KEY,
         lease_key(job.id),
         DEADLINES,
+        stream_key(job.id),
     ]
     args: list[str | int] = [
         job.status.value,

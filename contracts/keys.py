@@ -127,8 +127,15 @@ def tokenizer_key(sha256: str) -> str:
 
 
 def stream_key(job_id: str) -> str:
-    """Redis stream of a streaming job's text deltas, in order, per attempt."""
+    """Redis stream of a streaming job's text deltas, in order, per attempt; its last entry,
+    once the job is terminal, is the end marker (``STREAM_END``)."""
     return f"{PREFIX}:stream:{job_id}"
+
+
+STREAM_END = "end"
+"""Field of the entry ``ADVANCE`` appends to a job's stream (if it has one) in the script
+that makes the job terminal, its value the status: a reader waiting on the stream learns
+the end at once instead of at its next look at the record."""
 
 
 def webhook_event_key(event_id: str) -> str:

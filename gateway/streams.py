@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from contracts.jobs import JobPublic
-from contracts.keys import stream_key
+from contracts.keys import STREAM_END, stream_key
 from gateway import job_store
 
 BLOCK_MS = 200
@@ -84,14 +84,25 @@ async def follow(
             pause = min(pause * 2, RETRY_S[1])
             continue
         pause = RETRY_S[0]
+        ended = False
         for _, entries in replies or ():
             for entry_id, fields in entries:
                 last_id = entry_id
+                if STREAM_END in fields:  # written with the terminal record: nothing follows
+                    ended = True
+                    continue
                 text = dedup.fresh(fields["attempt"], fields["text"])
                 if text:
                     yield text
+        if ended and not done:
+            try:
+                job = await job_store.get_job(redis, job_id, tenant)
+            except (RedisError, OSError):
+                continue  # read again from ``last_id``: the end marker was consumed, the
+                # record's terminal status ends the loop on the next turn
+            done = True
         out_of_time = loop.time() >= deadline
-        if (done and not replies) or out_of_time:
+        if (done and (ended or not replies)) or out_of_time:
             if job is not None:
                 yield job
             return

@@ -20,7 +20,7 @@ from contracts.job_records import (
     renew_call,
 )
 from contracts.jobs import JobPublic, JobStatus
-from contracts.keys import DEADLINES, job_key, lease_key, stream_key
+from contracts.keys import DEADLINES, STREAM_END, job_key, lease_key, stream_key
 from contracts.queues import Tier
 
 TTL_S = 60.0
@@ -120,3 +120,32 @@ def test_queued_again_or_finished_drops_the_lease_and_the_deadline_entry(redis: 
     assert not redis.exists(lease_key(job.id))
     assert redis.zscore(DEADLINES, job.id) is None
     assert not _renew(redis, running, "w2:2:b")  # a finished job's lease is never taken back
+
+
+def test_the_terminal_write_ends_the_stream_with_a_marker_and_creates_none(
+    redis: Redis,
+) -> None:
+    """A streaming reader blocked on the stream learns the end from the stream itself, in
+    the script that made the job terminal; a job that streamed nothing gets no stream."""
+    job = _queued(redis)
+    _, running = _claim(redis, job, "w1:1:a")
+    assert _append(redis, running, "w1:1:a", "Hel") and _append(redis, running, "w1:1:a", "lo")
+    done = running.model_copy(update={"status": JobStatus.SUCCEEDED})
+    keys, args = advance_call(done, 60, expect_attempts=running.attempts)
+    assert Advance(int(redis.register_script(ADVANCE)(keys=keys, args=args))) == Advance.WRITTEN
+    entries = [fields for _, fields in redis.xrange(stream_key(job.id))]  # type: ignore[union-attr]
+    assert entries[:2] == [{"attempt": "w1:1:a|1", "text": t} for t in ("Hel", "lo")]
+    assert entries[2:] == [{STREAM_END: "succeeded"}]
+    # A later (refused) terminal write appends nothing.
+    failed = running.model_copy(update={"status": JobStatus.FAILED})
+    keys, args = advance_call(failed, 60)
+    assert Advance(int(redis.register_script(ADVANCE)(keys=keys, args=args))) == (
+        Advance.ALREADY_FINISHED
+    )
+    assert redis.xlen(stream_key(job.id)) == 3
+
+    silent = _queued(redis)
+    cancelled = silent.model_copy(update={"status": JobStatus.CANCELLED})
+    keys, args = advance_call(cancelled, 60)
+    assert Advance(int(redis.register_script(ADVANCE)(keys=keys, args=args))) == Advance.WRITTEN
+    assert not redis.exists(stream_key(silent.id))

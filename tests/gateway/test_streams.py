@@ -1,10 +1,24 @@
-"""A streamed job redelivered after a crash: the caller sees every character exactly once."""
+"""Reading a job's stream: a redelivered job's text once, the end as soon as it is written."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import threading
+import time
+import uuid
+from datetime import UTC, datetime
 
+import pytest
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+
+from contracts.job_records import ADVANCE, advance_call
+from contracts.jobs import JobPublic, JobStatus
+from contracts.keys import job_key, stream_key
+from contracts.queues import Tier
+from gateway import streams
 from gateway.streams import StreamDiverged, _Dedup
+from lorafleet.stack import LocalStack
 
 
 def test_a_new_attempt_resends_nothing_already_sent() -> None:
@@ -23,3 +37,48 @@ def test_a_new_attempt_that_says_something_else_ends_the_stream() -> None:
     dedup.fresh("1", "The quick")
     with pytest.raises(StreamDiverged):
         dedup.fresh("2", "A slow")
+
+
+def test_a_reader_ends_at_the_end_marker_without_waiting_for_a_timeout(
+    infra: LocalStack, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader blocks on the stream with no timeout at all: only the end marker, written
+    with the terminal record, can end it (before the marker, each stream ended a blocked
+    read's 200 ms after its last token)."""
+    monkeypatch.setattr(streams, "BLOCK_MS", 0)  # XREAD BLOCK 0: wait for ever
+    job = JobPublic(
+        id=uuid.uuid4().hex,
+        status=JobStatus.RUNNING,
+        adapter="a",
+        revision="sha256:" + "0" * 64,
+        tenant="t",
+        tier=Tier.HOT,
+        queue="lorafleet.hot",
+        created_at=datetime.now(tz=UTC),
+        attempts=1,
+    )
+    redis.hset(job_key(job.id), mapping={"status": "running", "record": job.model_dump_json()})
+    redis.hset(job_key(job.id), "attempts", 1)
+
+    async def read() -> list[str | JobPublic]:
+        client = AsyncRedis.from_url(infra.redis_url, decode_responses=True)
+        try:
+            return [item async for item in streams.follow(client, job.id, "t", timeout_s=600)]
+        finally:
+            await client.aclose()
+
+    def worker() -> None:
+        time.sleep(0.5)  # the reader is blocked by now
+        for text in ("Hel", "lo"):
+            redis.xadd(stream_key(job.id), {"attempt": "w|1", "text": text})
+        done = job.model_copy(update={"status": JobStatus.SUCCEEDED})
+        keys, args = advance_call(done, 60)
+        redis.register_script(ADVANCE)(keys=keys, args=args)
+
+    writer = threading.Thread(target=worker)
+    writer.start()
+    items = asyncio.run(asyncio.wait_for(read(), timeout=120))  # a hang fails, not a bound
+    writer.join()
+    assert items[:-1] == ["Hel", "lo"]
+    final = items[-1]
+    assert isinstance(final, JobPublic) and final.status == JobStatus.SUCCEEDED

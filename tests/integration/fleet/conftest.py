@@ -24,7 +24,7 @@ import pytest
 from celery import Celery
 
 from contracts.jobs import JobPublic
-from contracts.keys import stream_key, tenant_ledger_key, tier_ledger_key
+from contracts.keys import STREAM_END, stream_key, tenant_ledger_key, tier_ledger_key
 from contracts.queues import Tier, queue_for
 from lorafleet.fixtures import AdapterSpec
 from lorafleet.processes import Child
@@ -193,11 +193,15 @@ class Fleet:
 
     def stream_attempts(self, job_id: str) -> set[str]:
         """The attempt numbers that appended text to the job's stream."""
-        entries = self.redis.xrange(stream_key(job_id))
-        return {fields["attempt"] for _, fields in entries}  # type: ignore[union-attr]
+        return {fields["attempt"] for fields in self._deltas(job_id)}
 
     def stream_text(self, job_id: str) -> str:
-        return "".join(fields["text"] for _, fields in self.redis.xrange(stream_key(job_id)))  # type: ignore[union-attr]
+        return "".join(fields["text"] for fields in self._deltas(job_id))
+
+    def _deltas(self, job_id: str) -> list[dict[str, str]]:
+        """The stream's text entries (not its end marker)."""
+        entries = self.redis.xrange(stream_key(job_id))
+        return [fields for _, fields in entries if STREAM_END not in fields]  # type: ignore[union-attr]
 
 
 class StreamingCompletion(threading.Thread):
