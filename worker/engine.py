@@ -250,11 +250,17 @@ class EngineHost:
 
     def probe(self, timeout_s: float) -> None:
         """One round trip through the loop and the engine core (served between engine steps),
-        within ``timeout_s``; fails the engine if it is dead or does not answer in time."""
+        within ``timeout_s``; fails the engine if it is dead or does not answer in time.
+
+        The question is one the engine core answers itself (``is_sleeping``), not one it asks
+        its model workers (``list_loras`` did): a worker woken by a request busy-polls its
+        shared-memory queue for a second before it sleeps again, so a probe every 5 s through
+        the workers kept an idle engine's worker process at ~24% of a core (95% probed every
+        second), on a GPU worker as here."""
 
         async def ask() -> None:
             await self.engine.check_health()
-            await self.engine.list_loras()
+            await self.engine.is_sleeping()
 
         if self.engine.errored:
             self.fail("the engine core exited")
