@@ -157,6 +157,9 @@ def test_interrupted_demo_stops_everything_it_started(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # Ctrl-C's default meaning, whoever launched the tests: a shell starting them in the
+        # background (``cmd &``) ignores SIGINT for them, and Python keeps it ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert process.stdout is not None
     for line in process.stdout:  # interrupt while the engine is starting

@@ -61,6 +61,8 @@ FLEET_ENV = {
 QUEUE = queue_for(Tier.HOT)
 REPLY_S = 10.0
 """How long a remote-control command waits for the workers' replies."""
+RECONNECT_S = 90.0
+"""How long a worker may take to answer remote control again after a Redis restart."""
 # Kombu's Redis transport keeps delivered, unacknowledged messages here.
 UNACKED = ("unacked", "unacked_index")
 
@@ -102,19 +104,28 @@ class Fleet:
         return f"{worker.name}@{socket.gethostname()}"
 
     def _broadcast(self, command: str, workers: list[Child]) -> None:
-        """``command`` (cancel_consumer, add_consumer) to ``workers``; each must answer (a
-        loaded machine answers slowly, hence the long reply window)."""
-        nodes = [self.node(worker) for worker in workers]
-        if not nodes:  # an empty destination would address every worker
-            return
+        """``command`` (cancel_consumer, add_consumer) to ``workers``; each must answer. A
+        loaded machine answers slowly, hence the long reply window; a worker whose broker
+        connection is coming back after a Redis restart answers only once its consumer
+        reconnected (kombu backs off up to ~12 s after a 10 s outage), hence the retries to
+        those that have not answered yet."""
+        pending = {self.node(worker) for worker in workers}
+        deadline = time.monotonic() + RECONNECT_S
         app = Celery(broker=self.stack.redis_url)
-        # A connection of its own: Celery's pool is kombu's process-wide one, keyed by URL,
-        # and a connection pooled before a Redis restart fails its next health check.
-        with app.connection_for_write() as connection:
-            replies = getattr(app.control, command)(
-                QUEUE, destination=nodes, reply=True, timeout=REPLY_S, connection=connection
-            )
-        assert len(replies) == len(nodes), replies
+        while pending:  # an empty destination would address every worker
+            # A connection of its own: Celery's pool is kombu's process-wide one, keyed by
+            # URL, and a connection pooled before a Redis restart fails its next health check.
+            with app.connection_for_write() as connection:
+                replies = getattr(app.control, command)(
+                    QUEUE,
+                    destination=sorted(pending),
+                    reply=True,
+                    timeout=REPLY_S,
+                    connection=connection,
+                )
+            for reply in replies:
+                pending -= set(reply)
+            assert not pending or time.monotonic() < deadline, f"{sorted(pending)} never answered"
 
     def pause(self, workers: list[Child]) -> None:
         """``workers`` stop consuming the queue."""
