@@ -7,8 +7,10 @@ import json
 import os
 import socket
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ import httpx
 from celery import Celery
 from redis import Redis
 
-from contracts.jobs import JobPublic
+from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import WORKERS_INDEX, job_key, worker_key
 from contracts.queues import Tier
 from contracts.registry import AdapterRecord
@@ -98,6 +100,22 @@ def wait_job(api: httpx.Client, job_id: str) -> dict[str, Any]:
     """The job once terminal (long-poll)."""
     job: dict[str, Any] = api.get(f"/v1/jobs/{job_id}", params={"wait_s": 60}, timeout=90).json()
     return job
+
+
+def new_job(**fields: Any) -> JobPublic:
+    """A job record of tenant ``t`` for adapter ``a`` on the hot tier, ``queued`` unless
+    ``fields`` say otherwise (for the record scripts, which never look at the adapter)."""
+    defaults: dict[str, Any] = {
+        "id": uuid.uuid4().hex,
+        "status": JobStatus.QUEUED,
+        "adapter": "a",
+        "revision": "sha256:" + "0" * 64,
+        "tenant": "t",
+        "tier": Tier.HOT,
+        "queue": "lorafleet.hot",
+        "created_at": datetime.now(tz=UTC),
+    }
+    return JobPublic(**(defaults | fields))
 
 
 def job_record(redis: Redis, job_id: str) -> JobPublic:

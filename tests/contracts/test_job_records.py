@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import uuid
-from datetime import UTC, datetime
-
 from redis import Redis
 
 from contracts.job_records import ADVANCE, Advance, advance_call
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import JOB_CANCELS, JOB_EVENTS, job_key
-from contracts.queues import Tier
+from tests.helpers import new_job
 
 
 def _job(status: JobStatus = JobStatus.QUEUED, attempts: int = 0) -> JobPublic:
-    return JobPublic(
-        id=uuid.uuid4().hex,
-        status=status,
-        adapter="a",
-        revision="sha256:" + "0" * 64,
-        tenant="t",
-        tier=Tier.HOT,
-        queue="lorafleet.hot",
-        created_at=datetime.now(tz=UTC),
-        attempts=attempts,
-    )
+    return new_job(status=status, attempts=attempts)
 
 
 def _create(redis: Redis, job: JobPublic) -> None:

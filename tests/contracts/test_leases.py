@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
-from datetime import UTC, datetime
-
 from redis import Redis
 
 from contracts.job_records import (
@@ -21,22 +18,13 @@ from contracts.job_records import (
 )
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import DEADLINES, STREAM_END, job_key, lease_key, stream_key
-from contracts.queues import Tier
+from tests.helpers import new_job
 
 TTL_S = 60.0
 
 
 def _queued(redis: Redis) -> JobPublic:
-    job = JobPublic(
-        id=uuid.uuid4().hex,
-        status=JobStatus.QUEUED,
-        adapter="a",
-        revision="sha256:" + "0" * 64,
-        tenant="t",
-        tier=Tier.HOT,
-        queue="lorafleet.hot",
-        created_at=datetime.now(tz=UTC),
-    )
+    job = new_job()
     redis.hset(
         job_key(job.id),
         mapping={"status": "queued", "record": job.model_dump_json(), "attempts": 0},

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import uuid
-from datetime import UTC, datetime
 
 import pytest
 from redis import Redis
@@ -15,10 +13,10 @@ from redis.asyncio import Redis as AsyncRedis
 from contracts.job_records import ADVANCE, advance_call
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import job_key, stream_key
-from contracts.queues import Tier
 from gateway import streams
 from gateway.streams import StreamDiverged, _Dedup
 from lorafleet.stack import LocalStack
+from tests.helpers import new_job
 
 
 def test_a_new_attempt_resends_nothing_already_sent() -> None:
@@ -46,17 +44,7 @@ def test_a_reader_ends_at_the_end_marker_without_waiting_for_a_timeout(
     with the terminal record, can end it (before the marker, each stream ended a blocked
     read's 200 ms after its last token)."""
     monkeypatch.setattr(streams, "BLOCK_MS", 0)  # XREAD BLOCK 0: wait for ever
-    job = JobPublic(
-        id=uuid.uuid4().hex,
-        status=JobStatus.RUNNING,
-        adapter="a",
-        revision="sha256:" + "0" * 64,
-        tenant="t",
-        tier=Tier.HOT,
-        queue="lorafleet.hot",
-        created_at=datetime.now(tz=UTC),
-        attempts=1,
-    )
+    job = new_job(status=JobStatus.RUNNING, attempts=1)
     redis.hset(job_key(job.id), mapping={"status": "running", "record": job.model_dump_json()})
     redis.hset(job_key(job.id), "attempts", 1)
 

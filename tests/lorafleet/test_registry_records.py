@@ -60,14 +60,7 @@ def registry(private: Redis, infra: LocalStack, fixtures_dir: Path) -> Registry:
     stored under another alias's name, and one missing its digest; channel ``rec-chan``
     points at ``BAD``."""
     registry = Registry(private)
-    publisher = Publisher(
-        base_dir=fixtures_dir / "base",
-        base_model_id=str(fixtures_dir / "base"),
-        limits=infra.settings.limits,
-        registry=registry,
-        s3=infra.s3(),
-        bucket=infra.settings.s3_bucket,
-    )
+    publisher = _publisher(registry, infra, fixtures_dir)
     good = publisher.publish(fixtures_dir / "adapters" / "lora-02-r4-qv", GOOD, Tier.HOT)
     body = json.loads(good.model_dump_json())
     bad = {
@@ -162,7 +155,18 @@ def test_registry_reports_unreadable_records_and_retires_them(
     assert str(registry.retire(BAD)) == str(bad) and BAD in registry.retired()
 
     # New bytes under an unreadable alias are refused like under any taken alias.
-    publisher = Publisher(
+    publisher = _publisher(registry, infra, fixtures_dir)
+    stored = registry.stored(BAD)
+    with pytest.raises(RegistryError) as caught:
+        publisher.publish(fixtures_dir / "adapters" / "lora-06-r4-qv", BAD, Tier.COLD)
+    assert caught.value.code == ErrorCode.ALIAS_EXISTS
+    assert "unreadable" in caught.value.message
+    assert registry.stored(BAD) == stored
+
+
+def _publisher(registry: Registry, infra: LocalStack, fixtures_dir: Path) -> Publisher:
+    """The fixture model's publisher, into ``registry`` and the session's bucket."""
+    return Publisher(
         base_dir=fixtures_dir / "base",
         base_model_id=str(fixtures_dir / "base"),
         limits=infra.settings.limits,
@@ -170,12 +174,6 @@ def test_registry_reports_unreadable_records_and_retires_them(
         s3=infra.s3(),
         bucket=infra.settings.s3_bucket,
     )
-    stored = registry.stored(BAD)
-    with pytest.raises(RegistryError) as caught:
-        publisher.publish(fixtures_dir / "adapters" / "lora-06-r4-qv", BAD, Tier.COLD)
-    assert caught.value.code == ErrorCode.ALIAS_EXISTS
-    assert "unreadable" in caught.value.message
-    assert registry.stored(BAD) == stored
 
 
 def _cli(infra: LocalStack, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
