@@ -23,6 +23,7 @@ from contracts.errors import ErrorCode
 from contracts.jobs import JobPublic
 from contracts.keys import (
     DEADLINES,
+    NO_KEY,
     batch_jobs_key,
     batch_key,
     job_key,
@@ -30,10 +31,15 @@ from contracts.keys import (
     tenant_ledger_key,
     tier_ledger_key,
 )
-from contracts.queues import Tier
+from contracts.queues import Tier, queue_for
 
 LEDGER_GRACE_S = 60.0
 """A job still unfinished this long after its deadline no longer counts against limits."""
+
+REFUSE_WHEN_FULL = "#!lua\n"
+"""A script's first line: Redis (7+) refuses the whole script while it is over ``maxmemory``
+(``noeviction``). Without it a script runs once its first write command was let through
+(any write, even one that frees memory), then pushes the rest past the limit."""
 
 TAKE_TOKEN_LUA = """
 local function take_token(key, rate, burst, now)
@@ -51,8 +57,11 @@ end
 ``nil`` if taken, else the seconds until one is there."""
 
 ADMIT = (
-    TAKE_TOKEN_LUA
+    REFUSE_WHEN_FULL
+    + TAKE_TOKEN_LUA
     + """
+-- Run again (a client retrying after its reply was lost): admitted already, and only once.
+if redis.call('EXISTS', KEYS[4]) == 1 then return {'admitted', '0'} end
 local now_t = redis.call('TIME')
 local now = tonumber(now_t[1]) + tonumber(now_t[2]) / 1e6
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -66,9 +75,13 @@ redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 redis.call('ZADD', KEYS[5], ARGV[10], ARGV[1])
 redis.call('HSET', KEYS[4], 'status', ARGV[7], 'record', ARGV[8], 'attempts', 0)
 redis.call('EXPIRE', KEYS[4], ARGV[9])
+if ARGV[11] ~= '' then redis.call('LPUSH', KEYS[6], ARGV[11]) end
 return {'admitted', '0'}
 """
 )
+"""Admit one job: check the tier, tenant and rate limits, and only if all pass take its
+ledger slots and a token, write its record and, when the queue lives in the same Redis,
+push its message (``contracts.task_messages``): admitted and enqueued in one step."""
 
 WITHDRAW = """
 redis.call('DEL', KEYS[4])
@@ -118,11 +131,18 @@ def ledger_keys(job: JobPublic) -> list[str]:
 
 
 def admit_call(
-    job: JobPublic, expires_at: float, limits: Limits, ttl_s: int
+    job: JobPublic,
+    expires_at: float,
+    limits: Limits,
+    ttl_s: int,
+    message: str | None = None,
+    record: str | None = None,
 ) -> tuple[list[str], list[str | int | float]]:
     """``(keys, args)`` of ``ADMIT`` for a new ``job`` (its record is written if admitted);
-    ``expires_at`` is its deadline + ``LEDGER_GRACE_S``."""
-    keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id), DEADLINES]
+    ``expires_at`` is its deadline + ``LEDGER_GRACE_S``. ``message``, if given, is pushed
+    onto the job's queue in the same step; ``record`` is ``job``'s JSON, if already made."""
+    queue = queue_for(job.tier) if message is not None else NO_KEY
+    keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id), DEADLINES, queue]
     args: list[str | int | float] = [
         job.id,
         repr(expires_at),
@@ -131,9 +151,10 @@ def admit_call(
         repr(limits.rate_per_s),
         limits.burst,
         job.status.value,
-        job.model_dump_json(),
+        record if record is not None else job.model_dump_json(),
         ttl_s,
         repr(expires_at - LEDGER_GRACE_S),  # the deadline, for the sweeper's index
+        message or "",
     ]
     return keys, args
 
@@ -149,21 +170,25 @@ def verdict(reply: list[str]) -> Verdict:
 
 
 ADMIT_BATCH = (
-    TAKE_TOKEN_LUA
+    REFUSE_WHEN_FULL
+    + TAKE_TOKEN_LUA
     + """
+-- KEYS: 1 tenant ledger, 2 rate bucket, 3 batch hash, 4 batch lines, 5..7 tier ledgers (hot,
+-- warm, cold), 8 deadline index, 9..11 tier queues (or a placeholder), 12.. one job key per
+-- job. ARGV: 1 tenant max, 2 rate, 3 burst, 4..6 tier maxima, 7 expiry, 8 ttl, 9 batch
+-- record, 10 batch webhook url, 11 tenant, 12 total, 13 deadline (expiry - grace), then per
+-- job: id, tier index (0..2), record, line, queue message ('' if published elsewhere).
+-- Run again (a client retrying after its reply was lost): admitted already, and only once.
+if redis.call('EXISTS', KEYS[3]) == 1 then return {'admitted', '0'} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
--- KEYS: 1 tenant ledger, 2 rate bucket, 3 batch hash, 4 batch lines, 5.. tier ledgers (hot,
--- warm, cold), 8 deadline index, 9.. one job key per job. ARGV: 1 tenant max, 2 rate,
--- 3 burst, 4..6 tier maxima, 7 expiry, 8 ttl, 9 batch record, 10 batch webhook url,
--- 11 tenant, 12 total, 13 deadline (expiry - grace), then per job: id, tier index (0..2),
--- record, line.
 local tiers = {KEYS[5], KEYS[6], KEYS[7]}
+local queues = {KEYS[9], KEYS[10], KEYS[11]}
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local wanted = {0, 0, 0}
 local total = tonumber(ARGV[12])
 for i = 0, total - 1 do
-  local tier = tonumber(ARGV[14 + i * 4 + 1]) + 1
+  local tier = tonumber(ARGV[14 + i * 5 + 1]) + 1
   wanted[tier] = wanted[tier] + 1
 end
 for tier = 1, 3 do
@@ -178,14 +203,15 @@ if redis.call('ZCARD', KEYS[1]) + total > tonumber(ARGV[1]) then return {'tenant
 local wait = take_token(KEYS[2], tonumber(ARGV[2]), tonumber(ARGV[3]), now)
 if wait then return {'rate', tostring(wait)} end
 for i = 0, total - 1 do
-  local base = 14 + i * 4
+  local base = 14 + i * 5
   local id, tier = ARGV[base], tonumber(ARGV[base + 1]) + 1
   redis.call('ZADD', tiers[tier], ARGV[7], id)
   redis.call('ZADD', KEYS[1], ARGV[7], id)
   redis.call('ZADD', KEYS[8], ARGV[13], id)
-  redis.call('HSET', KEYS[9 + i], 'status', 'queued', 'record', ARGV[base + 2], 'attempts', 0)
-  redis.call('EXPIRE', KEYS[9 + i], ARGV[8])
+  redis.call('HSET', KEYS[12 + i], 'status', 'queued', 'record', ARGV[base + 2], 'attempts', 0)
+  redis.call('EXPIRE', KEYS[12 + i], ARGV[8])
   redis.call('RPUSH', KEYS[4], ARGV[base + 3])
+  if ARGV[base + 4] ~= '' then redis.call('LPUSH', queues[tier], ARGV[base + 4]) end
 end
 redis.call('HSET', KEYS[3], 'record', ARGV[9], 'tenant', ARGV[11], 'total', total,
            'finished', 0, 'succeeded', 0, 'failed', 0, 'cancelled', 0)
@@ -196,17 +222,17 @@ return {'admitted', '0'}
 """
 )
 """Admit every job of a batch or none: each tier's and the tenant's limit must hold them
-all; the batch takes one token of the rate bucket (it is one request)."""
+all; the batch takes one token of the rate bucket (it is one request). When the queues
+live in the same Redis, the jobs' messages are pushed in the same step, in order."""
 
 WITHDRAW_BATCH = """
--- KEYS: 1 tenant ledger, 2 rate bucket, 3 batch hash, 4 batch lines, 5..7 tier ledgers,
--- 8 deadline index, 9.. job keys. ARGV: 1 burst, 2.. job ids.
+-- KEYS: as ADMIT_BATCH's. ARGV: 1 burst, 2.. job ids.
 if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
 for i = 2, #ARGV do
   redis.call('ZREM', KEYS[1], ARGV[i])
   for tier = 5, 7 do redis.call('ZREM', KEYS[tier], ARGV[i]) end
   redis.call('ZREM', KEYS[8], ARGV[i])
-  redis.call('DEL', KEYS[7 + i])
+  redis.call('DEL', KEYS[10 + i])
 end
 redis.call('DEL', KEYS[3], KEYS[4])
 if redis.call('EXISTS', KEYS[2]) == 1 then
@@ -215,8 +241,9 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
 end
 return 1
 """
-"""Undo a batch whose enqueue failed: no records, no ledger entries, no batch, token back.
-Messages already published find no record and are dropped by the workers."""
+"""Undo a batch whose admission was cut short or whose enqueue failed: no records, no
+ledger entries, no batch, token back. Messages already published find no record and are
+dropped by the workers."""
 
 TIER_ORDER: tuple[Tier, ...] = (Tier.HOT, Tier.WARM, Tier.COLD)
 
@@ -229,7 +256,9 @@ class BatchLimits:
     tier_max: dict[Tier, int]
 
 
-def _batch_keys(batch_id: str, tenant: str, jobs: list[JobPublic]) -> list[str]:
+def _batch_keys(
+    batch_id: str, tenant: str, jobs: list[JobPublic], queues: bool = False
+) -> list[str]:
     return [
         tenant_ledger_key(tenant),
         rate_key(tenant),
@@ -237,6 +266,7 @@ def _batch_keys(batch_id: str, tenant: str, jobs: list[JobPublic]) -> list[str]:
         batch_jobs_key(batch_id),
         *(tier_ledger_key(tier.value) for tier in TIER_ORDER),
         DEADLINES,
+        *(queue_for(tier) if queues else NO_KEY for tier in TIER_ORDER),
         *(job_key(job.id) for job in jobs),
     ]
 
@@ -248,7 +278,10 @@ def admit_batch_call(
     expires_at: float,
     limits: BatchLimits,
     ttl_s: int,
+    messages: list[str] | None = None,
 ) -> tuple[list[str], list[str | int | float]]:
+    """``(keys, args)`` of ``ADMIT_BATCH``; ``messages`` (one per job, in order), if given,
+    are pushed onto the jobs' queues in the same step."""
     args: list[str | int | float] = [
         limits.tenant_max,
         repr(limits.rate_per_s),
@@ -262,9 +295,16 @@ def admit_batch_call(
         len(jobs),
         repr(expires_at - LEDGER_GRACE_S),
     ]
-    for job, line in zip(jobs, lines, strict=True):
-        args += [job.id, TIER_ORDER.index(job.tier), job.model_dump_json(), line.model_dump_json()]
-    return _batch_keys(batch.id, batch.tenant, jobs), args
+    pushed: list[str] = [""] * len(jobs) if messages is None else messages
+    for job, line, message in zip(jobs, lines, pushed, strict=True):
+        args += [
+            job.id,
+            TIER_ORDER.index(job.tier),
+            job.model_dump_json(),
+            line.model_dump_json(),
+            message,
+        ]
+    return _batch_keys(batch.id, batch.tenant, jobs, messages is not None), args
 
 
 def withdraw_batch_call(

@@ -36,6 +36,7 @@ from contracts.keys import (
     DEADLINES,
     JOB_CANCELS,
     JOB_EVENTS,
+    NO_KEY,
     STREAM_END,
     WEBHOOKS_DUE,
     batch_key,
@@ -47,9 +48,6 @@ from contracts.keys import (
     webhook_event_key,
 )
 from contracts.webhooks import batch_event_id, job_event_id
-
-NO_KEY = "lorafleet:none"
-"""Placeholder for a key a call does not touch (no webhook, no batch)."""
 
 CREATE_EVENT_LUA = """
 local function create_event(ekey, due, evt, url, tenant, kind, subject, ttl, now)

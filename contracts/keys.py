@@ -6,6 +6,9 @@ import hashlib
 
 PREFIX = "lorafleet"
 
+NO_KEY = f"{PREFIX}:none"
+"""Placeholder for a key a script call does not touch (no webhook, no batch, no queue)."""
+
 
 def adapter_key(alias: str) -> str:
     """JSON ``AdapterRecord`` of one alias."""

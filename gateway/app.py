@@ -18,14 +18,14 @@ from gateway.files import Files
 from gateway.json_bodies import StrictJsonBodies
 from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels
-from gateway.queue import make_producer
+from gateway.queue import JobQueues
 from gateway.routes import batches, files, fleet, health, jobs, openai
 from gateway.submit import Submitter
 from gateway.waiter import JobWaiter
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
-    """Build the app; state (Redis pool, Celery producer) lives for the app's lifespan."""
+    """Build the app; state (Redis pool, queues, waiter) lives for the app's lifespan."""
     settings = settings or get_settings()
 
     if settings.sentry_dsn:
@@ -45,15 +45,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             socket_connect_timeout=settings.redis_timeout_s,
             decode_responses=True,
         )
-        app.state.producer = make_producer(settings.effective_broker_url, settings.redis_timeout_s)
+        queues = JobQueues(settings)
         app.state.models = BaseModels(app.state.redis)
         app.state.metrics = GatewayMetrics(settings.metrics_top_adapters)
         app.state.submitter = Submitter(
-            app.state.redis, app.state.producer, app.state.models, app.state.metrics, settings
+            app.state.redis, queues, app.state.models, app.state.metrics, settings
         )
-        app.state.batches = Batches(
-            app.state.redis, app.state.producer, app.state.submitter, settings
-        )
+        app.state.batches = Batches(app.state.redis, app.state.submitter, settings)
         app.state.files = Files(app.state.redis, app.state.batches, settings)
         # Subscriptions idle for long stretches: no socket timeout on this connection.
         events = Redis.from_url(
@@ -71,7 +69,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             await app.state.waiter.stop()
             await events.aclose()
             await app.state.redis.aclose()
-            app.state.producer.close()
+            await queues.close()
             app.state.submitter.close()
 
     app = FastAPI(title="lorafleet gateway", version="0.1.0", lifespan=lifespan)

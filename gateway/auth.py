@@ -1,63 +1,76 @@
-"""Who is calling: a bearer API key resolves to a tenant, or the request is refused (401)."""
+"""FastAPI dependencies for who is calling: the presented key (``caller``), its tenant
+(``authenticate``, one round trip: ``gateway.access``), operators only (``operator``), and
+for the routes that admit a job, the tenant with the adapter its body names resolved
+(``JobAccessDep``, ``ModelAccessDep``: the same one round trip)."""
 
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
-import sentry_sdk
-from fastapi import Depends
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from redis.exceptions import RedisError
 
 from contracts.errors import ErrorCode
-from contracts.keys import api_key_key, tenant_key
-from contracts.tenants import KEY_PREFIX, ApiKeyRecord, TenantRecord, key_hash
+from contracts.tenants import KEY_PREFIX, TenantRecord, key_hash
+from gateway.access import Access, Caller, check, refused
 from gateway.deps import RedisDep, SettingsDep
 from gateway.errors import ApiError, unavailable
+from gateway.json_bodies import PARSED
 
 _bearer = HTTPBearer(auto_error=False, description="A tenant API key: `lf_<id>_<secret>`.")
-
-_UNAUTHORIZED = (
-    "A valid API key is required: send `Authorization: Bearer <key>` "
-    "(create one with `lorafleet tenants create`)."
-)
-
 
 _NOT_AUTHENTICATED = "The request could not be authenticated: {what} ({exc}); retry."
 
 
-def _refused() -> ApiError:
-    return ApiError(
-        401, ErrorCode.UNAUTHORIZED, _UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"}
-    )
+async def caller(
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Caller:
+    """The presented key; 401 if there is none or it is not shaped like ours."""
+    if credentials is None or not credentials.credentials.startswith(KEY_PREFIX):
+        raise refused()
+    return Caller(key_hash(credentials.credentials))
+
+
+CallerDep = Annotated[Caller, Depends(caller)]
 
 
 async def authenticate(
-    redis: RedisDep,
-    settings: SettingsDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    redis: RedisDep, settings: SettingsDep, presented: CallerDep
 ) -> TenantRecord:
-    """The tenant owning the presented key. A revoked key is gone from Redis, so it is
-    refused on the next request; a rotated key is refused once its grace period ends."""
-    if credentials is None or not credentials.credentials.startswith(KEY_PREFIX):
-        raise _refused()
+    """The tenant owning the presented key (``check`` without a name), within the Redis
+    bound: 503 when the key store does not answer."""
     try:
         async with asyncio.timeout(settings.redis_timeout_s):
-            raw_key = await redis.get(api_key_key(key_hash(credentials.credentials)))
-            if raw_key is None:
-                raise _refused()
-            key = ApiKeyRecord.model_validate_json(raw_key)
-            raw_tenant = await redis.get(tenant_key(key.tenant))
+            return (await check(redis, presented)).tenant
     except (RedisError, OSError, TimeoutError) as exc:
         raise unavailable("the key store is unreachable", exc, _NOT_AUTHENTICATED) from exc
-    if key.expires_at is not None and key.expires_at <= datetime.now(tz=UTC):
-        raise _refused()
-    if raw_tenant is None:
-        raise _refused()
-    sentry_sdk.set_tag("tenant", key.tenant)
-    return TenantRecord.model_validate_json(raw_tenant)
+
+
+def _access_to(field: str) -> Callable[..., Awaitable[Access]]:
+    async def admission_access(
+        request: Request, redis: RedisDep, settings: SettingsDep, presented: CallerDep
+    ) -> Access:
+        # Dependencies run before FastAPI validates the body: a bad key is 401 whatever the
+        # body holds. The name comes from the body as the strict-JSON middleware parsed it
+        # (a body FastAPI then refuses answers 422, whatever was resolved here).
+        body = request.scope.get("state", {}).get(PARSED)
+        name = body.get(field) if isinstance(body, dict) else None
+        try:
+            async with asyncio.timeout(settings.redis_timeout_s):
+                return await check(redis, presented, name if isinstance(name, str) else "")
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise unavailable("the key store is unreachable", exc, _NOT_AUTHENTICATED) from exc
+
+    return admission_access
+
+
+JobAccessDep = Annotated[Access, Depends(_access_to("adapter"))]
+"""``POST /v1/jobs``: the caller's tenant, and the body's ``adapter`` resolved for it."""
+ModelAccessDep = Annotated[Access, Depends(_access_to("model"))]
+"""The OpenAI endpoints: the caller's tenant, and the body's ``model`` resolved for it."""
 
 
 async def operator(tenant: Annotated[TenantRecord, Depends(authenticate)]) -> TenantRecord:
@@ -84,7 +97,7 @@ async def metrics_reader(
     ``LORAFLEET_METRICS_PUBLIC`` (a scrape from a private network only)."""
     if settings.metrics_public:
         return
-    await operator(await authenticate(redis, settings, credentials))
+    await operator(await authenticate(redis, settings, await caller(credentials)))
 
 
 MetricsReaderDep = Annotated[None, Depends(metrics_reader)]

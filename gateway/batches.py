@@ -15,8 +15,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from celery import Celery
-from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.asyncio import Redis
 
@@ -28,12 +26,19 @@ from contracts.keys import batch_jobs_key, batch_key, job_key
 from contracts.tenants import TenantRecord
 from contracts.webhooks import WebhookTarget, batch_event_id
 from gateway import job_store
+from gateway.access import Caller
 from gateway.config import GatewaySettings
 from gateway.errors import ApiError, problem
 from gateway.openai_schemas import DEFAULT_MAX_TOKENS, ChatCompletionCreate, CompletionCreate
-from gateway.queue import enqueue_many
+from gateway.queue import job_message
 from gateway.registry import Resolved
-from gateway.submit import Submission, Submitter, admit_then_enqueue, refusal_error
+from gateway.submit import (
+    Prepared,
+    Submission,
+    Submitter,
+    admit_then_enqueue,
+    refusal_error,
+)
 from gateway.webhooks import check_target, delivery_status
 
 MAX_LINE_ERRORS = 100
@@ -238,18 +243,19 @@ class Batches:
     def __init__(
         self,
         redis: Redis,
-        producer: Celery,
         submitter: Submitter,
         settings: GatewaySettings,
     ) -> None:
         self._redis = redis
-        self._producer = producer
+        self._admit_script = redis.register_script(admission.ADMIT_BATCH)
+        self._withdraw_script = redis.register_script(admission.WITHDRAW_BATCH)
         self._submitter = submitter
         self._settings = settings
 
     async def create(
         self,
         tenant: TenantRecord,
+        caller: Caller,
         lines: list[Parsed | LineError],
         endpoint: BatchEndpoint,
         webhook: WebhookTarget | None = None,
@@ -272,12 +278,13 @@ class Batches:
             if webhook is not None:
                 await check_target(webhook, settings)
             return await self._create(
-                tenant, lines, endpoint, webhook, deadline_s, metadata, input_file_id
+                tenant, caller, lines, endpoint, webhook, deadline_s, metadata, input_file_id
             )
 
     async def _create(
         self,
         tenant: TenantRecord,
+        caller: Caller,
         lines: list[Parsed | LineError],
         endpoint: BatchEndpoint,
         webhook: WebhookTarget | None,
@@ -286,22 +293,39 @@ class Batches:
         input_file_id: str | None,
     ) -> BatchPublic:
         errors = [line for line in lines if isinstance(line, LineError)]
-        parsed = [line for line in lines if isinstance(line, Parsed)]
+        unique: list[Parsed] = []
         seen: set[str] = set()
-        resolved: dict[str, Resolved] = {}
-        prepared = []
-        for line in parsed:
+        for line in (line for line in lines if isinstance(line, Parsed)):
             if line.custom_id in seen:
                 errors.append(LineError(line.number, f"custom_id {line.custom_id!r} is used twice"))
                 continue
             seen.add(line.custom_id)
+            unique.append(line)
+        names: dict[str, Resolved | ApiError] = {}
+        for name in dict.fromkeys(line.submission.adapter for line in unique):
+            try:
+                names[name] = (await self._submitter.resolve(caller, name))[1]
+            except ApiError as exc:
+                if exc.code == ErrorCode.UNAUTHORIZED:
+                    raise  # the key itself went (revoked meanwhile): the whole request
+                names[name] = exc
+        parsed, requests = [], []
+        for line in unique:
+            found = names[line.submission.adapter]
+            if isinstance(found, ApiError):
+                errors.append(LineError(line.number, found.message, found.code))
+                continue
             request = line.submission
             if deadline_s is not None:
                 request = dataclasses.replace(request, deadline_s=deadline_s)
-            try:
-                prepared.append(await self._submitter.prepare(tenant, request, resolved))
-            except ApiError as exc:
-                errors.append(LineError(line.number, exc.message, exc.code))
+            parsed.append(line)
+            requests.append((request, found))
+        prepared: list[Prepared] = []
+        for line, ready in zip(parsed, await self._submitter.prepare_many(requests), strict=True):
+            if isinstance(ready, ApiError):
+                errors.append(LineError(line.number, ready.message, ready.code))
+            else:
+                prepared.append(ready)
         if errors:
             raise refused(sorted(errors, key=lambda e: e.line), len(lines))
 
@@ -351,12 +375,20 @@ class Batches:
         )
         _check_admissible(tenant.name, jobs, limits)
         expires_at = max(m.deadline_at for m in messages) + admission.LEDGER_GRACE_S
+        queues = self._submitter.queues
+        encoded = [job_message(message) for message in messages]
 
         async def admit() -> None:
             keys, args = admission.admit_batch_call(
-                record, jobs, lines, expires_at, limits, self._settings.job_ttl_s
+                record,
+                jobs,
+                lines,
+                expires_at,
+                limits,
+                self._settings.job_ttl_s,
+                messages=encoded if queues.inline else None,
             )
-            reply = await self._redis.register_script(admission.ADMIT_BATCH)(keys=keys, args=args)
+            reply = await self._admit_script(keys=keys, args=args)
             verdict, tier = admission.batch_verdict(reply)
             if verdict.refusal is None:
                 return
@@ -377,11 +409,13 @@ class Batches:
 
         async def withdraw() -> None:
             keys, args = admission.withdraw_batch_call(record, jobs, limits.burst)
-            await self._redis.register_script(admission.WITHDRAW_BATCH)(keys=keys, args=args)
+            await self._withdraw_script(keys=keys, args=args)
 
-        await admit_then_enqueue(
-            admit, lambda: run_in_threadpool(enqueue_many, self._producer, messages), withdraw
-        )
+        async def enqueue() -> None:
+            if not queues.inline:
+                await queues.push(messages, encoded)
+
+        await admit_then_enqueue(admit, enqueue, withdraw)
 
     async def get(self, tenant: TenantRecord, batch_id: str) -> BatchPublic | None:
         fields: dict[str, str] = await self._redis.hgetall(batch_key(batch_id))  # type: ignore[assignment]

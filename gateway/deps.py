@@ -1,10 +1,12 @@
-"""FastAPI dependencies as ``Annotated`` aliases; the objects live on ``app.state``."""
+"""FastAPI dependencies as ``Annotated`` aliases; the objects live on ``app.state``.
+
+Every dependency is ``async``: FastAPI runs a plain ``def`` one in its thread pool, a thread
+hop per dependency per request for what is an attribute read."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from celery import Celery
 from fastapi import Depends, Request
 from redis.asyncio import Redis
 
@@ -16,49 +18,43 @@ from gateway.submit import Submitter
 from gateway.waiter import JobWaiter
 
 
-def _settings(request: Request) -> GatewaySettings:
+async def _settings(request: Request) -> GatewaySettings:
     settings: GatewaySettings = request.app.state.settings
     return settings
 
 
-def _redis(request: Request) -> Redis:
+async def _redis(request: Request) -> Redis:
     redis: Redis = request.app.state.redis
     return redis
 
 
-def _producer(request: Request) -> Celery:
-    producer: Celery = request.app.state.producer
-    return producer
-
-
-def _waiter(request: Request) -> JobWaiter:
+async def _waiter(request: Request) -> JobWaiter:
     waiter: JobWaiter = request.app.state.waiter
     return waiter
 
 
-def _submitter(request: Request) -> Submitter:
+async def _submitter(request: Request) -> Submitter:
     submitter: Submitter = request.app.state.submitter
     return submitter
 
 
-def _batches(request: Request) -> Batches:
+async def _batches(request: Request) -> Batches:
     batches: Batches = request.app.state.batches
     return batches
 
 
-def _files(request: Request) -> Files:
+async def _files(request: Request) -> Files:
     files: Files = request.app.state.files
     return files
 
 
-def _metrics(request: Request) -> GatewayMetrics:
+async def _metrics(request: Request) -> GatewayMetrics:
     metrics: GatewayMetrics = request.app.state.metrics
     return metrics
 
 
 SettingsDep = Annotated[GatewaySettings, Depends(_settings)]
 RedisDep = Annotated[Redis, Depends(_redis)]
-ProducerDep = Annotated[Celery, Depends(_producer)]
 WaiterDep = Annotated[JobWaiter, Depends(_waiter)]
 SubmitterDep = Annotated[Submitter, Depends(_submitter)]
 BatchesDep = Annotated[Batches, Depends(_batches)]

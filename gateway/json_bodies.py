@@ -15,6 +15,10 @@ from gateway.errors import error_response
 THREAD_ABOVE_BYTES = 64 * 1024
 """Bodies larger than this are parsed in a worker thread, off the event loop."""
 
+PARSED = "lorafleet.json_body"
+"""``request.state`` entry holding the body as this middleware parsed it (routes' own
+dependencies read fields from it before FastAPI validates the body)."""
+
 
 async def loads_off_loop(raw: bytes) -> Any:
     """``loads``, in a worker thread when ``raw`` is large enough to stall the event loop."""
@@ -55,7 +59,7 @@ class StrictJsonBodies:
         body = b"".join(chunks)
         if body:
             try:
-                await loads_off_loop(body)
+                scope.setdefault("state", {})[PARSED] = await loads_off_loop(body)
             except JsonRefusal as exc:
                 refusal = ErrorBody(
                     code=ErrorCode.VALIDATION_ERROR,

@@ -231,10 +231,15 @@ class ChatCompletion(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One ``model`` a tenant may name, with the fields vLLM's server gives an adapter."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    root: str = Field(description="the revision (content digest) the name resolves to now")
+    parent: str = Field(description="the base model it runs on")
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):

@@ -1,47 +1,57 @@
-"""Enqueue jobs by task name on their tier's queue. Producer only: no worker import."""
+"""Job messages onto their tier queues, by task name. Producer only: no worker import, and no
+Celery producer either (``contracts.task_messages`` writes what ``send_task`` would).
+
+Where the queues live in the job store's Redis (the default: one URL), the admission script
+pushes the message itself, so a job is admitted and enqueued in one step. A broker on
+another Redis (``LORAFLEET_BROKER_URL``) gets the messages in a second step, after the
+admission; a push that fails there withdraws the admission (``gateway.submit``).
+"""
 
 from __future__ import annotations
 
-from celery import Celery
+from redis.asyncio import Redis
 
 from contracts.jobs import JobMessage
 from contracts.queues import RUN_JOB_TASK, queue_for
+from contracts.redis_policy import async_client
+from contracts.task_messages import task_message
+from gateway.config import GatewaySettings
 
 
-def make_producer(broker_url: str, timeout_s: float) -> Celery:
-    """A Celery app used only to publish; every publish fails within ``timeout_s``-ish bounds."""
-    producer = Celery("lorafleet-gateway", broker=broker_url)
-    producer.conf.update(
-        broker_connection_timeout=timeout_s,
-        broker_transport_options={"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s},
-        # One quick retry on a dropped connection; a longer loop would hold the HTTP request
-        # past the point where answering 503 is the honest outcome.
-        task_publish_retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
+def job_message(message: JobMessage) -> str:
+    """``message`` as the Celery task message a worker consumes (``lorafleet.run_job``)."""
+    summary = f"job {message.job_id} ({message.adapter}, {message.tier.value})"
+    return task_message(
+        RUN_JOB_TASK, message.job_id, queue_for(message.tier), [message.wire()], summary
     )
-    return producer
 
 
-def enqueue_many(producer: Celery, messages: list[JobMessage]) -> None:
-    """Publish ``messages`` in order over one broker connection. Raises on the first failure."""
-    with producer.connection_for_write() as connection, producer.producer_or_acquire() as pub:
-        for message in messages:
-            producer.send_task(
-                RUN_JOB_TASK,
-                args=[message.wire()],
-                queue=queue_for(message.tier),
-                task_id=message.job_id,
-                connection=connection,
-                producer=pub,
+class JobQueues:
+    """Publishes job messages: ``inline`` (the admission script pushes them) or onto a broker
+    Redis of its own."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.inline = settings.effective_broker_url == settings.redis_url
+        self._broker: Redis | None = None
+        if not self.inline:
+            self._broker = async_client(
+                settings.effective_broker_url,
+                settings.redis_max_connections,
+                pool_timeout_s=settings.redis_timeout_s,
+                socket_timeout=settings.redis_timeout_s,
+                socket_connect_timeout=settings.redis_timeout_s,
             )
 
+    async def push(self, messages: list[JobMessage], encoded: list[str]) -> None:
+        """Push ``encoded`` (the task messages of ``messages``, in order) onto the broker's
+        queues in one round trip. Only for a broker of its own: inline, the admission pushed
+        them. Raises the broker's error."""
+        assert self._broker is not None, "inline queues are pushed by the admission script"
+        async with self._broker.pipeline(transaction=False) as pipe:
+            for message, body in zip(messages, encoded, strict=True):
+                pipe.lpush(queue_for(message.tier), body)
+            await pipe.execute()
 
-def enqueue(producer: Celery, message: JobMessage) -> str:
-    """Publish ``message`` on its tier queue; returns the queue name. Raises on failure."""
-    queue = queue_for(message.tier)
-    producer.send_task(
-        RUN_JOB_TASK,
-        args=[message.wire()],
-        queue=queue,
-        task_id=message.job_id,
-    )
-    return queue
+    async def close(self) -> None:
+        if self._broker is not None:
+            await self._broker.aclose()

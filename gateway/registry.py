@@ -42,10 +42,14 @@ class UnreadableAlias(Exception):
         self.retired = retired
 
 
-async def resolve(redis: Redis, name: str, tenant: str) -> Resolved | None:
-    """Follow a channel (once) to its alias, then read that alias's record; ``None`` if absent
-    or not granted to ``tenant`` (a caller can't tell the two apart, not even by timing: both
-    paths make the same two round trips).
+def resolution(
+    name: str, target: str | None, granted: bool, raw: str | None, retired: bool
+) -> Resolved | None:
+    """What ``name`` resolves to for a tenant, from what ``gateway.auth.ACCESS`` read in one
+    round trip: the channel's ``target`` alias (``None``: ``name`` is an alias), whether the
+    tenant is ``granted`` ``name`` (or every adapter), the alias's ``raw`` record and whether
+    it is ``retired``. ``None`` if absent or not granted: a caller can't tell the two apart,
+    not even by timing (both paths cost the same script).
 
     The grant is on the name the caller used: granting a channel lets the tenant follow it
     wherever it points, without granting the aliases behind it by name. The channel is read
@@ -54,25 +58,15 @@ async def resolve(redis: Redis, name: str, tenant: str) -> Resolved | None:
     Raises ``UnreadableAlias`` (logged and counted) if the granted alias's record does not
     parse.
     """
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.get(channel_key(name))
-        pipe.smismember(grants_key(tenant), [name, ALL_ADAPTERS])
-        target, grants = await pipe.execute()
-    alias = str(target) if target is not None else name
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.get(adapter_key(alias))
-        pipe.sismember(RETIRED_INDEX, alias)
-        raw, retired = await pipe.execute()
-    if raw is None or not any(grants):
+    if raw is None or not granted:
         return None
+    alias = target if target is not None else name
     try:
         record = read_record(alias, raw)
     except UnreadableRecord as exc:
         _skipped(exc, "refusing its jobs")
-        raise UnreadableAlias(alias, exc.reason, bool(retired)) from exc
-    return Resolved(
-        record=record, channel=name if target is not None else None, retired=bool(retired)
-    )
+        raise UnreadableAlias(alias, exc.reason, retired) from exc
+    return Resolved(record=record, channel=name if target is not None else None, retired=retired)
 
 
 async def granted_models(redis: Redis, tenant: str) -> list[tuple[str, AdapterRecord]]:

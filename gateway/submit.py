@@ -1,9 +1,10 @@
 """Admission: the one path every job takes into the fleet, whatever API it came through.
 
 resolve the adapter (granted to the tenant?) -> check the deadline and the prompt's length
--> reserve the idempotency key -> admit against the limits (ledger + record, one script)
--> enqueue -> on any failure, undo everything. A caller sees 202 only for an enqueued job
-and never leaves anything behind on a refusal.
+-> reserve the idempotency key -> admit against the limits and enqueue (ledger, record and
+queue message in one script, when the queues share the job store's Redis) -> on any
+failure, undo everything. A caller sees 202 only for an enqueued job and never leaves
+anything behind on a refusal.
 """
 
 from __future__ import annotations
@@ -14,16 +15,13 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import sentry_sdk
-from celery import Celery
-from fastapi.concurrency import run_in_threadpool
-from kombu.exceptions import OperationalError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -34,16 +32,32 @@ from contracts.queues import Tier, queue_for
 from contracts.tenants import TenantRecord
 from contracts.webhooks import WebhookTarget
 from gateway import job_store
+from gateway.access import Access, Caller, check
 from gateway.config import GatewaySettings
 from gateway.errors import ADMISSION_TIMED_OUT, ApiError, unavailable
 from gateway.idempotency import IdempotencyKeys, Reservation
 from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels, ChatTemplateError, ServedModel
-from gateway.queue import enqueue
-from gateway.registry import Resolved, UnreadableAlias, resolve
+from gateway.queue import JobQueues, job_message
+from gateway.registry import Resolved
 from gateway.webhooks import check_target
 
 log = logging.getLogger(__name__)
+
+INLINE_PROMPT_CHARS = 1024
+"""Requests this small (prompt, or chat messages' text) are rendered and counted on the
+event loop (tens of microseconds); larger ones in the prompt threads (tokenizing holds the
+GIL for about a second a megabyte)."""
+
+
+PREPARE_CHUNK = 256
+"""Batch lines checked per trip to the prompt threads."""
+
+
+def _size(request: Submission) -> int:
+    if request.messages is None:
+        return len(request.prompt or "")
+    return sum(len(str(message.get("content") or "")) for message in request.messages)
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,7 @@ class Prepared:
 @dataclass(frozen=True)
 class Admitted:
     job: JobPublic
+    tenant: TenantRecord
     replayed: bool
     """True when an ``Idempotency-Key`` matched an earlier request: nothing new was enqueued."""
 
@@ -87,27 +102,32 @@ class Submitter:
     def __init__(
         self,
         redis: Redis,
-        producer: Celery,
+        queues: JobQueues,
         models: BaseModels,
         metrics: GatewayMetrics,
         settings: GatewaySettings,
     ) -> None:
         self._redis = redis
-        self._producer = producer
+        self.queues = queues
+        self._admit_script = redis.register_script(admission.ADMIT)
+        self._withdraw_script = redis.register_script(admission.WITHDRAW)
         self._models = models
         self.metrics = metrics
         self._settings = settings
         self._prompts = ThreadPoolExecutor(settings.prompt_threads, thread_name_prefix="prompts")
 
     async def submit(
-        self, tenant: TenantRecord, request: Submission, idempotency: Idempotency | None = None
+        self, access: Access, request: Submission, idempotency: Idempotency | None = None
     ) -> Admitted:
-        """Admit and enqueue ``request`` for ``tenant``, or raise ``ApiError``.
+        """Admit and enqueue ``request`` for the caller ``access`` authenticated (and resolved
+        ``request.adapter`` for), or raise ``ApiError``.
 
         Redis and the broker get ``redis_timeout_s`` in all: past it the answer is 503.
         """
         async with self.bounded(self._settings.redis_timeout_s):
-            admitted, reserved = await self._submit(tenant, request, idempotency)
+            assert access.name == request.adapter, "access resolved another name"
+            resolved = access.admissible()
+            admitted, reserved = await self._submit(access.tenant, resolved, request, idempotency)
         if not admitted.replayed:
             self.metrics.admitted_job(admitted.job.tier, admitted.job.adapter)
         if reserved is not None and idempotency is not None:
@@ -130,18 +150,22 @@ class Submitter:
         except ApiError as refused:
             self.metrics.refused.labels(refused.code.value).inc()
             raise
-        except (RedisError, OSError, TimeoutError, OperationalError) as exc:
-            # OperationalError: the broker refused the publish (e.g. Redis full, noeviction).
+        except (RedisError, OSError, TimeoutError) as exc:
+            # Also a Redis that refuses the write (full: maxmemory with noeviction).
             error = unavailable(ADMISSION_TIMED_OUT, exc)
             self.metrics.refused.labels(error.code.value).inc()
             raise error from exc
 
     async def _submit(
-        self, tenant: TenantRecord, request: Submission, idempotency: Idempotency | None
+        self,
+        tenant: TenantRecord,
+        resolved: Resolved,
+        request: Submission,
+        idempotency: Idempotency | None,
     ) -> tuple[Admitted, IdempotencyKeys | None]:
         """The admitted job, and the idempotency reservation to mark done if this request
         made one."""
-        prepared = await self.prepare(tenant, request)
+        prepared = await self.prepare(request, resolved)
         sentry_sdk.set_tags(
             {"adapter": prepared.resolved.record.alias, "revision": prepared.resolved.record.digest}
         )
@@ -165,29 +189,52 @@ class Submitter:
                 with contextlib.suppress(RedisError, OSError):
                     await asyncio.shield(keys.release())
             raise
-        return Admitted(job=job, replayed=False), keys
+        return Admitted(job=job, tenant=tenant, replayed=False), keys
 
-    async def prepare(
-        self,
-        tenant: TenantRecord,
-        request: Submission,
-        resolved_by_name: dict[str, Resolved] | None = None,
-    ) -> Prepared:
-        """Everything decided before admission: the revision (granted?), the deadline, the
-        prompt and its length. Raises ``ApiError``; ``resolved_by_name`` caches resolutions
-        across the requests of one batch."""
-        cache = {} if resolved_by_name is None else resolved_by_name
-        if request.adapter not in cache:
-            cache[request.adapter] = await self._resolve(tenant, request.adapter)
-        resolved = cache[request.adapter]
+    async def prepare(self, request: Submission, resolved: Resolved) -> Prepared:
+        """Everything decided before admission, for a request whose adapter ``resolve``d:
+        the deadline, the prompt and its length. Raises ``ApiError``."""
         deadline_s = self._deadline_s(request)
         model = await self._models.get(resolved.record.base_model.digest)
-        # Rendering and tokenizing cost CPU in proportion to the prompt: in the bounded
-        # pool, so a huge request delays only itself, never the event loop.
-        prompt, add_special_tokens = await asyncio.get_running_loop().run_in_executor(
-            self._prompts, self._checked_prompt, request, model, resolved
-        )
+        if _size(request) <= INLINE_PROMPT_CHARS:
+            prompt, add_special_tokens = self._checked_prompt(request, model, resolved)
+        else:
+            # Rendering and tokenizing cost CPU in proportion to the prompt: in the bounded
+            # pool, so a huge request delays only itself, never the event loop.
+            prompt, add_special_tokens = await asyncio.get_running_loop().run_in_executor(
+                self._prompts, self._checked_prompt, request, model, resolved
+            )
         return Prepared(request, resolved, deadline_s, prompt, add_special_tokens)
+
+    async def prepare_many(
+        self, requests: list[tuple[Submission, Resolved]]
+    ) -> list[Prepared | ApiError]:
+        """``prepare`` for each of many requests (a batch), each refusal in its place; the
+        checks run in the prompt threads a chunk at a time, never stalling the event loop."""
+        models = {
+            digest: await self._models.get(digest)
+            for digest in {resolved.record.base_model.digest for _, resolved in requests}
+        }
+
+        def chunk(part: list[tuple[Submission, Resolved]]) -> list[Prepared | ApiError]:
+            done: list[Prepared | ApiError] = []
+            for request, resolved in part:
+                try:
+                    model = models[resolved.record.base_model.digest]
+                    prompt, special = self._checked_prompt(request, model, resolved)
+                    done.append(
+                        Prepared(request, resolved, self._deadline_s(request), prompt, special)
+                    )
+                except ApiError as refused:
+                    done.append(refused)
+            return done
+
+        loop = asyncio.get_running_loop()
+        prepared: list[Prepared | ApiError] = []
+        for start in range(0, len(requests), PREPARE_CHUNK):
+            part = requests[start : start + PREPARE_CHUNK]
+            prepared += await loop.run_in_executor(self._prompts, chunk, part)
+        return prepared
 
     def _checked_prompt(
         self, request: Submission, model: ServedModel | None, resolved: Resolved
@@ -200,31 +247,11 @@ class Submitter:
         """Stop the prompt threads (at shutdown; a running render finishes on its own)."""
         self._prompts.shutdown(wait=False, cancel_futures=True)
 
-    async def _resolve(self, tenant: TenantRecord, name: str) -> Resolved:
-        try:
-            resolved = await resolve(self._redis, name, tenant.name)
-        except UnreadableAlias as exc:
-            if exc.retired:
-                raise _retired(exc.alias) from exc
-            # The registry, not the caller, is at fault; a retry cannot help until an
-            # operator retires the alias and publishes its adapter under a new one.
-            raise ApiError(
-                500,
-                ErrorCode.ADAPTER_UNAVAILABLE,
-                f"Adapter {exc.alias!r} cannot be served: its registry record is unreadable. "
-                "Nothing was enqueued.",
-                param="adapter",
-            ) from exc
-        if resolved is None:
-            raise ApiError(
-                404,
-                ErrorCode.ADAPTER_NOT_FOUND,
-                f"No adapter named {name!r} is available. Nothing was enqueued.",
-                param="adapter",
-            )
-        if resolved.retired:
-            raise _retired(resolved.record.alias)
-        return resolved
+    async def resolve(self, caller: Caller, name: str) -> tuple[TenantRecord, Resolved]:
+        """The caller's tenant and the revision ``name`` resolves to for it (one round trip),
+        or the ``ApiError`` refusing it (``Access.admissible``; 401 for the key)."""
+        access = await check(self._redis, caller, name)
+        return access.tenant, access.admissible()
 
     def _deadline_s(self, request: Submission) -> float:
         limit = self._settings.job_deadline_s
@@ -347,14 +374,21 @@ class Submitter:
         )
 
     async def _admit(self, tenant: TenantRecord, job: JobPublic, message: JobMessage) -> None:
-        """Ledger + record in one script, then the queue; a failed enqueue withdraws both."""
+        """Ledger, record and queue message in one script (a broker of its own gets the
+        message next: a failed push withdraws the admission)."""
         limits = self.limits(tenant, job.tier)
         expires_at = message.deadline_at + admission.LEDGER_GRACE_S
+        encoded = job_message(message)
 
         async def admit() -> None:
-            keys, args = admission.admit_call(job, expires_at, limits, self._settings.job_ttl_s)
-            reply = await self._redis.register_script(admission.ADMIT)(keys=keys, args=args)
-            verdict = admission.verdict(reply)
+            keys, args = admission.admit_call(
+                job,
+                expires_at,
+                limits,
+                self._settings.job_ttl_s,
+                message=encoded if self.queues.inline else None,
+            )
+            verdict = admission.verdict(await self._admit_script(keys=keys, args=args))
             if verdict.refusal is not None:
                 raise refusal_error(
                     verdict, limits, job.tenant, job.tier, self._settings.admission_retry_after_s
@@ -362,11 +396,13 @@ class Submitter:
 
         async def withdraw() -> None:
             keys, args = admission.withdraw_call(job, limits.burst)
-            await self._redis.register_script(admission.WITHDRAW)(keys=keys, args=args)
+            await self._withdraw_script(keys=keys, args=args)
 
-        await admit_then_enqueue(
-            admit, lambda: run_in_threadpool(enqueue, self._producer, message), withdraw
-        )
+        async def enqueue() -> None:
+            if not self.queues.inline:
+                await self.queues.push([message], [encoded])
+
+        await admit_then_enqueue(admit, enqueue, withdraw)
 
     async def _replay(self, tenant: TenantRecord, reservation: Reservation) -> Admitted:
         if reservation.conflict:
@@ -384,7 +420,7 @@ class Submitter:
                 f"This Idempotency-Key belongs to job {reservation.job_id}, whose record has "
                 "expired. Use a new key.",
             )
-        return Admitted(job=job, replayed=True)
+        return Admitted(job=job, tenant=tenant, replayed=True)
 
 
 def _too_long(tokens: str, max_tokens: int, context: int) -> ApiError:
@@ -409,43 +445,57 @@ async def admit_then_enqueue(
     enqueue: Callable[[], Awaitable[object]],
     withdraw: Callable[[], Awaitable[None]],
 ) -> None:
-    """Admit (the script that writes records and ledger entries), then publish, as one unit:
-    both happen, or neither is left behind.
+    """Admit (the script that writes records and ledger entries, and pushes the messages when
+    the queues share its Redis), then publish to a broker of its own, as one unit: both
+    happen, or neither is left behind.
 
     ``admit`` raises ``ApiError`` for a refusal (nothing written). A failed publish withdraws
     the admission. If the caller is cancelled midway (its request bound ran out, its client
-    went away), the work goes on out of the caller's way and is then withdrawn: a script that
-    ran in Redis while its reply was still on the way must not leave a record ``queued`` and
-    ledger slots held behind a 503. A message published before the withdrawal finds no
-    record and is dropped by the worker; an undo that cannot reach Redis leaves the record to
-    the deadline sweeper and the ledger entry to its expiry.
+    went away) while the admission runs, the admission goes on out of the caller's way and is
+    then withdrawn: a script that ran in Redis while its reply was still on the way must not
+    leave a record ``queued`` and ledger slots held behind a 503. Cancelled while publishing,
+    the publish is abandoned and the admission withdrawn at once. A message published before
+    the withdrawal finds no record and is dropped by the worker; an undo that cannot reach
+    Redis leaves the record to the deadline sweeper and the ledger entry to its expiry.
     """
-
-    async def both() -> None:
-        await admit()
-        try:
-            await enqueue()
-        except BaseException:
-            with contextlib.suppress(RedisError, OSError):
-                await withdraw()
-            raise
-
-    work = asyncio.ensure_future(both())
+    admitted = asyncio.ensure_future(admit())
     try:
-        await asyncio.shield(work)
+        await asyncio.shield(admitted)
     except asyncio.CancelledError:
-        undo = asyncio.get_running_loop().create_task(_undo_after(work, withdraw))
-        _undoing.add(undo)
-        undo.add_done_callback(_undoing.discard)
+        _in_background(_undo_after(admitted, withdraw))
+        raise
+    try:
+        await enqueue()
+    except asyncio.CancelledError:
+        _in_background(_undo_after(None, withdraw))
+        raise
+    except BaseException:
+        with contextlib.suppress(RedisError, OSError):
+            await withdraw()
         raise
 
 
-async def _undo_after(work: asyncio.Future[None], withdraw: Callable[[], Awaitable[None]]) -> None:
-    with contextlib.suppress(BaseException):
-        async with asyncio.timeout(UNDO_WAIT_S):
-            await work
-    if work.done() and not work.cancelled() and isinstance(work.exception(), ApiError):
-        return  # refused: nothing was admitted
+def _in_background(undo: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.get_running_loop().create_task(undo)
+    _undoing.add(task)
+    task.add_done_callback(_undoing.discard)
+
+
+async def _undo_after(
+    admitting: asyncio.Future[None] | None, withdraw: Callable[[], Awaitable[None]]
+) -> None:
+    """Withdraw an admission once its script answered (``admitting``; ``None``: it did)."""
+    if admitting is not None:
+        with contextlib.suppress(BaseException):
+            async with asyncio.timeout(UNDO_WAIT_S):
+                await admitting
+        refused = (
+            admitting.done()
+            and not admitting.cancelled()
+            and isinstance(admitting.exception(), ApiError)
+        )
+        if refused:
+            return  # nothing was admitted
     try:
         async with asyncio.timeout(UNDO_WAIT_S):
             await withdraw()
@@ -482,13 +532,4 @@ def refusal_error(
         f"{what[0].upper()}{what[1:]} was not accepted: {why}. Nothing was enqueued; "
         f"retry after {retry} s.",
         headers={"Retry-After": str(retry)},
-    )
-
-
-def _retired(alias: str) -> ApiError:
-    return ApiError(
-        410,
-        ErrorCode.ADAPTER_RETIRED,
-        f"Adapter {alias!r} is retired and takes no new jobs. Nothing was enqueued.",
-        param="adapter",
     )

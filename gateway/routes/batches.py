@@ -16,7 +16,7 @@ from contracts.batches import BatchPublic
 from contracts.errors import ErrorCode
 from contracts.strict_json import JsonRefusal
 from contracts.webhooks import MAX_URL_CHARS, WebhookTarget
-from gateway.auth import TenantDep
+from gateway.auth import CallerDep, TenantDep
 from gateway.batches import (
     BatchCreate,
     LineError,
@@ -76,6 +76,7 @@ async def create_batch(
     request: Request,
     response: Response,
     tenant: TenantDep,
+    caller: CallerDep,
     batches: BatchesDep,
     files: FilesDep,
     webhook_url: Annotated[
@@ -100,7 +101,7 @@ async def create_batch(
         items = await run_in_threadpool(jsonl, body)
         lines = [_parsed(item, parse_native) for item in items]
         webhook = WebhookTarget(url=webhook_url) if webhook_url else None
-        batch = await batches.create(tenant, lines, "/v1/jobs", webhook, deadline_s)
+        batch = await batches.create(tenant, caller, lines, "/v1/jobs", webhook, deadline_s)
     else:
         try:
             payload: Any = await loads_off_loop(body)
@@ -121,6 +122,7 @@ async def create_batch(
             ]
             batch = await batches.create(
                 tenant,
+                caller,
                 lines,
                 spec.endpoint,
                 metadata=spec.metadata,
@@ -133,7 +135,13 @@ async def create_batch(
                 raise invalid(exc) from exc
             lines = [parse_native(item, n) for n, item in enumerate(create.requests, 1)]
             batch = await batches.create(
-                tenant, lines, "/v1/jobs", create.webhook, create.deadline_s, create.metadata
+                tenant,
+                caller,
+                lines,
+                "/v1/jobs",
+                create.webhook,
+                create.deadline_s,
+                create.metadata,
             )
     response.headers["Location"] = f"/v1/batches/{batch.id}"
     return batch

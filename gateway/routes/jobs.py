@@ -11,7 +11,7 @@ from contracts.errors import ErrorCode
 from contracts.jobs import JobAccepted, JobCreate, JobPublic, JobStatus
 from contracts.webhooks import job_event_id
 from gateway import job_store
-from gateway.auth import TenantDep
+from gateway.auth import JobAccessDep, TenantDep
 from gateway.deps import MetricsDep, RedisDep, SettingsDep, SubmitterDep, WaiterDep
 from gateway.errors import ADMISSION, AUTHENTICATED, ApiError, responses, unavailable
 from gateway.idempotency import fingerprint
@@ -52,7 +52,7 @@ def _not_found(job_id: str) -> ApiError:
 async def create_job(
     body: JobCreate,
     response: Response,
-    tenant: TenantDep,
+    access: JobAccessDep,
     submitter: SubmitterDep,
     idempotency_key: IdempotencyKeyHeader = None,
 ) -> JobAccepted:
@@ -72,7 +72,7 @@ async def create_job(
         deadline_s=body.deadline_s,
         webhook=body.webhook,
     )
-    admitted = await submitter.submit(tenant, request, idempotency)
+    admitted = await submitter.submit(access, request, idempotency)
     if admitted.replayed:
         response.status_code = 200
     job = admitted.job

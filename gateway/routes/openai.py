@@ -23,8 +23,10 @@ from redis.exceptions import RedisError
 
 from contracts.errors import ErrorBody, ErrorCode
 from contracts.jobs import JobPublic, JobStatus, Sampling
+from contracts.registry import AdapterRecord
 from gateway import job_store
-from gateway.auth import TenantDep
+from gateway.access import Access
+from gateway.auth import ModelAccessDep, TenantDep
 from gateway.deps import MetricsDep, RedisDep, SettingsDep, SubmitterDep, WaiterDep
 from gateway.errors import (
     ADMISSION,
@@ -82,7 +84,7 @@ async def list_models(tenant: TenantDep, redis: RedisDep) -> ModelList:
         models = await granted_models(redis, tenant.name)
     except (RedisError, OSError) as exc:
         raise unavailable("the registry is unreachable", exc, _NOT_LISTED) from exc
-    return ModelList(data=[_card(name, record.created_at.timestamp()) for name, record in models])
+    return ModelList(data=[_card(name, record) for name, record in models])
 
 
 @router.get(
@@ -102,15 +104,23 @@ async def get_model(model: str, tenant: TenantDep, redis: RedisDep) -> ModelCard
             f"No adapter named {model!r} is available.",
             param="model",
         )
-    return _card(model, models[model].created_at.timestamp())
+    return _card(model, models[model])
 
 
 _NOT_LISTED = "The models could not be listed: {what} ({exc}); retry."
 _NOT_READ = "The job was accepted but its result could not be read: {what} ({exc})."
 
 
-def _card(name: str, created: float) -> ModelCard:
-    return ModelCard(id=name, created=int(created), owned_by="lorafleet")
+def _card(name: str, record: AdapterRecord) -> ModelCard:
+    # As vLLM's server describes a LoRA module: ``root`` where its weights come from (here
+    # the content-addressed revision), ``parent`` the base model.
+    return ModelCard(
+        id=name,
+        created=int(record.created_at.timestamp()),
+        owned_by="lorafleet",
+        root=record.digest,
+        parent=record.base_model.id,
+    )
 
 
 @dataclass
@@ -118,16 +128,30 @@ class _Call:
     """What every completion request needs besides its body."""
 
     request: Request
-    tenant: TenantDep
+    access: Access
     submitter: SubmitterDep
     redis: RedisDep
     waiter: WaiterDep
     settings: SettingsDep
     metrics: MetricsDep
-    idempotency_key: IdempotencyKeyHeader = None
+    idempotency_key: str | None = None
 
 
-CallDep = Annotated[_Call, Depends()]
+async def _call(
+    request: Request,
+    access: ModelAccessDep,
+    submitter: SubmitterDep,
+    redis: RedisDep,
+    waiter: WaiterDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    idempotency_key: IdempotencyKeyHeader = None,
+) -> _Call:
+    # A coroutine: FastAPI would build a class dependency in its thread pool.
+    return _Call(request, access, submitter, redis, waiter, settings, metrics, idempotency_key)
+
+
+CallDep = Annotated[_Call, Depends(_call)]
 
 CLIENT_CLOSED_REQUEST = 499
 _abandoning: set[asyncio.Task[None]] = set()  # strong references until each cancel is written
@@ -142,7 +166,7 @@ def _abandon(call: _Call, job: JobPublic) -> None:
         try:
             async with asyncio.timeout(call.settings.redis_timeout_s):
                 _, cancelled = await job_store.cancel_job(
-                    call.redis, job.id, call.tenant.name, call.settings.job_ttl_s
+                    call.redis, job.id, job.tenant, call.settings.job_ttl_s
                 )
         except (RedisError, OSError, TimeoutError) as exc:
             log.warning("job %s: client gone, but the cancel was not written: %s", job.id, exc)
@@ -257,7 +281,7 @@ async def _complete(
         idempotency = Idempotency(
             call.idempotency_key, fingerprint(route, body.model_dump(mode="json"))
         )
-    admitted = await call.submitter.submit(call.tenant, submission, idempotency)
+    admitted = await call.submitter.submit(call.access, submission, idempotency)
     job, created = admitted.job, int(time.time())
     timeout_s = call.settings.completion_timeout_s
     if body.stream:
@@ -265,9 +289,7 @@ async def _complete(
         return StreamingResponse(
             events, media_type="text/event-stream", headers=_audit_headers(job)
         )
-    waiting = asyncio.ensure_future(
-        call.waiter.wait(call.redis, job.id, call.tenant.name, timeout_s)
-    )
+    waiting = asyncio.ensure_future(call.waiter.wait(call.redis, job.id, job.tenant, timeout_s))
     gone = asyncio.ensure_future(_disconnected(call.request))
     try:
         await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -328,7 +350,7 @@ async def _events(
     if kind.opening is not None:
         yield chunk(kind.opening)
     try:
-        async for item in follow(call.redis, job.id, call.tenant.name, timeout_s):
+        async for item in follow(call.redis, job.id, job.tenant, timeout_s):
             if isinstance(item, str):
                 yield chunk(kind.delta(item))
                 continue

@@ -12,7 +12,7 @@ from contracts import admission
 from contracts.job_records import ADVANCE, advance_call
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import job_key, rate_key, tenant_ledger_key, tier_ledger_key
-from contracts.queues import Tier
+from contracts.queues import Tier, queue_for
 
 LIMITS = admission.Limits(tier_max=100, tenant_max=2, rate_per_s=1000.0, burst=1000)
 
@@ -79,3 +79,22 @@ def test_withdraw_refunds_the_rate_token_once(redis: Redis) -> None:
     assert refunded == spent + 1
     assert not redis.exists(job_key(job.id))
     assert _held(redis, tenant) == 0
+
+
+def test_an_admission_run_twice_admits_enqueues_and_spends_once(redis: Redis) -> None:
+    """A client that retries the script after its reply was lost (redis-py retries a command
+    once on a fresh connection) must not push the message twice or take a second token."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    job = _job(tenant)
+    queue = queue_for(job.tier)
+    before = int(redis.llen(queue))  # type: ignore[arg-type]
+    keys, args = admission.admit_call(job, time.time() + 60, LIMITS, 60, message="m")
+    try:
+        for _ in range(2):
+            reply = redis.register_script(admission.ADMIT)(keys=keys, args=args)
+            assert admission.verdict(reply).refusal is None
+        assert int(redis.llen(queue)) == before + 1  # type: ignore[arg-type]
+        assert float(redis.hget(rate_key(tenant), "tokens")) == LIMITS.burst - 1  # type: ignore[arg-type]
+        assert _held(redis, tenant) == 1
+    finally:
+        redis.lrem(queue, 0, "m")

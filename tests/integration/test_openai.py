@@ -31,10 +31,17 @@ def _warm(published: dict[str, AdapterRecord]) -> AdapterRecord:
 def test_models_lists_the_tenants_adapters(
     client: openai.OpenAI, published: dict[str, AdapterRecord]
 ) -> None:
-    ids = {model.id for model in client.models.list()}
-    assert set(published) <= ids
-    model = client.models.retrieve(_warm(published).alias)
-    assert model.id == _warm(published).alias and model.object == "model"
+    listed = {model.id: model for model in client.models.list()}
+    assert set(published) <= set(listed)
+    warm = _warm(published)
+    model = client.models.retrieve(warm.alias)
+    assert model.id == warm.alias and model.object == "model"
+    # As vLLM's server describes an adapter: its weights (``root``) and base model
+    # (``parent``), read as OpenAI's client exposes fields beyond its own.
+    for card in (model, listed[warm.alias]):
+        assert card.model_extra is not None
+        assert card.model_extra["root"] == warm.digest
+        assert card.model_extra["parent"] == warm.base_model.id
 
 
 def test_completion_equals_the_peft_reference_and_names_its_revision(
