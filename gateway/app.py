@@ -20,6 +20,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels
 from gateway.queue import JobQueues
 from gateway.routes import batches, files, fleet, health, jobs, openai
+from gateway.streams import StreamHub
 from gateway.submit import Submitter
 from gateway.waiter import JobWaiter
 
@@ -53,20 +54,29 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         )
         app.state.batches = Batches(app.state.redis, app.state.submitter, settings)
         app.state.files = Files(app.state.redis, app.state.batches, settings)
-        # Subscriptions idle for long stretches: no socket timeout on this connection.
-        events = Redis.from_url(
-            settings.redis_url,
-            socket_connect_timeout=settings.redis_timeout_s,
-            health_check_interval=30,
-            decode_responses=True,
-            **async_options(),
+        # The subscription and the shared stream read idle or block for long stretches: no
+        # socket timeout on their connections.
+        events, reader = (
+            Redis.from_url(
+                settings.redis_url,
+                socket_connect_timeout=settings.redis_timeout_s,
+                health_check_interval=30,
+                decode_responses=True,
+                single_connection_client=single,
+                **async_options(),
+            )
+            for single in (False, True)
         )
         app.state.waiter = JobWaiter(events)
         app.state.waiter.start()
+        app.state.streams = StreamHub(reader, app.state.redis, app.state.waiter)
+        app.state.streams.start()
         try:
             yield
         finally:
+            await app.state.streams.stop()
             await app.state.waiter.stop()
+            await reader.aclose()
             await events.aclose()
             await app.state.redis.aclose()
             await queues.close()

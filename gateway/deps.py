@@ -14,6 +14,7 @@ from gateway.batches import Batches
 from gateway.config import GatewaySettings
 from gateway.files import Files
 from gateway.metrics import GatewayMetrics
+from gateway.streams import StreamHub
 from gateway.submit import Submitter
 from gateway.waiter import JobWaiter
 
@@ -31,6 +32,11 @@ async def _redis(request: Request) -> Redis:
 async def _waiter(request: Request) -> JobWaiter:
     waiter: JobWaiter = request.app.state.waiter
     return waiter
+
+
+async def _streams(request: Request) -> StreamHub:
+    streams: StreamHub = request.app.state.streams
+    return streams
 
 
 async def _submitter(request: Request) -> Submitter:
@@ -56,6 +62,7 @@ async def _metrics(request: Request) -> GatewayMetrics:
 SettingsDep = Annotated[GatewaySettings, Depends(_settings)]
 RedisDep = Annotated[Redis, Depends(_redis)]
 WaiterDep = Annotated[JobWaiter, Depends(_waiter)]
+StreamsDep = Annotated[StreamHub, Depends(_streams)]
 SubmitterDep = Annotated[Submitter, Depends(_submitter)]
 BatchesDep = Annotated[Batches, Depends(_batches)]
 FilesDep = Annotated[Files, Depends(_files)]

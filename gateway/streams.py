@@ -1,19 +1,32 @@
-"""Read a streaming job's text deltas (``worker.streams``) as they arrive, once each.
+"""Read streaming jobs' text deltas (``worker.streams``) as they arrive, once each, with one
+reader per gateway process.
 
-A job redelivered after a crash streams again from its first token under a new execution
-tag; text the caller already received is skipped, so the caller sees every character
-exactly once. If the new attempt's text diverges (sampled, not greedy), the stream can't be
-continued consistently and ends with ``StreamDiverged``.
+A reader per stream would hold a pooled connection in ``XREAD BLOCK`` for as long as its job
+runs: a hundred streams took the pool's connections from every other request. Here one
+task (``StreamHub``) blocks on one connection of its own in a single ``XREAD`` over every
+stream followed, and hands each follower its entries; a new follower interrupts that read
+(``CLIENT UNBLOCK``) so it is read from at once.
+
+A stream ends with the marker the job's terminal write appends (``STREAM_END``); a job that
+ended before it streamed anything has no stream, and its follower learns of the end from the
+job-events channel (``gateway.waiter``) and reads the record. A job redelivered after a
+crash streams again from its first token under a new execution tag; text the caller already
+received is skipped, so the caller sees every character exactly once. If the new attempt's
+text diverges (sampled, not greedy), the stream can't be continued consistently and ends with
+``StreamDiverged``.
 
 The stream is the record of truth: if Redis goes away for a moment (a restart, a failover),
-reading resumes from the last entry delivered, as long as the request's time lasts.
+the reader resumes from the last entry each follower received, and the followers wait, as
+long as their requests' time lasts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
@@ -22,12 +35,21 @@ from redis.exceptions import RedisError
 from contracts.jobs import JobPublic
 from contracts.keys import STREAM_END, stream_key
 from gateway import job_store
+from gateway.waiter import JobWaiter
 
-BLOCK_MS = 200
-"""How long one read waits for a delta before the record is checked again."""
+log = logging.getLogger(__name__)
+
+BLOCK_MS = 1000
+"""Longest one shared read blocks. Followers added meanwhile interrupt it, so this bounds only
+the rare follower whose interruption arrived just before the read was sent."""
+
+BATCH = 512
+"""Entries taken per stream per read."""
 
 RETRY_S = (0.1, 1.0)
 """First and longest pause between reads while Redis is unreachable."""
+
+Entry = tuple[str, dict[str, str]]
 
 
 class StreamDiverged(Exception):
@@ -57,52 +79,178 @@ class _Dedup:
         return new
 
 
-async def follow(
-    redis: Redis, job_id: str, tenant: str, timeout_s: float
-) -> AsyncIterator[str | JobPublic]:
-    """Yield text deltas as the worker produces them, then the job once it is terminal (or
-    as it is when ``timeout_s`` runs out)."""
-    key = stream_key(job_id)
-    last_id = "0-0"
-    dedup = _Dedup()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    pause = RETRY_S[0]
-    while True:
+@dataclass
+class _Follower:
+    """One stream being followed: where the reader is in it, and what it read."""
+
+    position: str = "0-0"
+    entries: list[Entry] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    maybe_finished: bool = False
+
+    def finished(self) -> None:
+        """The job-events channel says the job may have ended."""
+        self.maybe_finished = True
+        self.ready.set()
+
+
+class StreamHub:
+    """The process's stream reader. ``start`` it on the event loop, ``follow`` streams."""
+
+    def __init__(self, reader: Redis, pool: Redis, waiter: JobWaiter) -> None:
+        """``reader``: a client of one connection, for the blocking read only (no socket
+        timeout); ``pool``: the process's client, for the rest."""
+        self._reader = reader
+        self._pool = pool
+        self._waiter = waiter
+        self._followers: dict[str, _Follower] = {}
+        self._changed = asyncio.Event()
+        self._reader_id: int | None = None
+        self._blocked = False
+        self._unblocking = False
+        self._task: asyncio.Task[None] | None = None
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._read(), name="stream-hub")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _read(self) -> None:
+        pause = RETRY_S[0]
+        while True:
+            if not self._followers:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            streams: dict[Any, Any] = {
+                key: follower.position for key, follower in self._followers.items()
+            }
+            self._changed.clear()
+            try:
+                if self._reader_id is None:
+                    self._reader_id = int(await self._reader.client_id())
+                self._blocked = True
+                replies: Any = await self._reader.xread(streams, count=BATCH, block=BLOCK_MS)
+            except (RedisError, OSError) as exc:
+                self._reader_id = None  # a reconnected client has a new id
+                log.warning("stream reader: Redis unreachable (%s); retrying", exc)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, RETRY_S[1])
+                continue
+            finally:
+                self._blocked = False
+            pause = RETRY_S[0]
+            for key, entries in replies or ():
+                follower = self._followers.get(key)
+                if follower is not None and entries:
+                    follower.position = entries[-1][0]
+                    follower.entries.extend(entries)
+                    follower.ready.set()
+
+    def _interrupt(self) -> None:
+        """Make the reader read again with the current set of streams, now."""
+        self._changed.set()
+        if not self._blocked or self._unblocking or self._reader_id is None:
+            return
+        self._unblocking = True
+        task = asyncio.get_running_loop().create_task(self._unblock(self._reader_id))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _unblock(self, reader_id: int) -> None:
         try:
-            # Read the record first: once it is terminal, every delta is already in the
-            # stream (the worker appends them before it stores the outcome).
-            job = await job_store.get_job(redis, job_id, tenant)
-            done = job is None or job.status.terminal
-            replies: Any = await redis.xread(
-                {key: last_id}, count=256, block=None if done else BLOCK_MS
-            )
+            await self._pool.client_unblock(reader_id)
+        except (RedisError, OSError) as exc:
+            log.debug("could not interrupt the stream reader: %s", exc)
+        finally:
+            self._unblocking = False
+
+    async def follow(self, job: JobPublic, timeout_s: float) -> AsyncIterator[str | JobPublic]:
+        """Yield ``job``'s text deltas as the worker produces them, then the job once it is
+        terminal (or as it is when ``timeout_s`` runs out). Redis errors propagate only
+        when Redis stayed away until then."""
+        key = stream_key(job.id)
+        follower = _Follower()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        dedup = _Dedup()
+        self._followers[key] = follower
+        self._interrupt()
+        try:
+            with self._waiter.notifying(job.id, follower.finished):
+                while loop.time() < deadline:
+                    wait_s = min(deadline - loop.time(), self._waiter.recheck_s)
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(wait_s):
+                            await follower.ready.wait()
+                    follower.ready.clear()
+                    entries, follower.entries = follower.entries, []
+                    texts, ended = _texts(entries, dedup)
+                    for text in texts:
+                        yield text
+                    if ended:
+                        break
+                    if follower.maybe_finished or not entries:
+                        # Woken by the job-events channel, or nothing arrived for a while: a
+                        # job that ended before it streamed has no marker to wait for.
+                        follower.maybe_finished = False
+                        tail = await self._tail(job, key, follower, dedup)
+                        if tail is not None:
+                            for text in tail:
+                                yield text
+                            break
+        finally:
+            self._followers.pop(key, None)
+        final = await self._record(job, deadline)
+        if final is not None:
+            yield final
+
+    async def _tail(
+        self, job: JobPublic, key: str, follower: _Follower, dedup: _Dedup
+    ) -> list[str] | None:
+        """If ``job`` is terminal, the text of its stream not received yet (the worker
+        completes a stream before it stores the outcome); ``None`` while it runs, or while
+        Redis is away."""
+        try:
+            current = await job_store.get_job(self._pool, job.id, job.tenant)
+            if current is not None and not current.status.terminal:
+                return None
+            # Taken from the reader in one step: it delivers nothing more to this follower.
+            del self._followers[key]
+            entries, start = follower.entries, follower.position
+            rest: list[Entry] = await self._pool.xrange(key, min=f"({start}", max="+")  # type: ignore[assignment]
+            entries += rest
         except (RedisError, OSError):
-            if loop.time() + pause >= deadline:
-                raise
+            self._followers[key] = follower
+            return None
+        return _texts(entries, dedup)[0]
+
+    async def _record(self, job: JobPublic, deadline: float) -> JobPublic | None:
+        """The job's record, read again until ``deadline`` while Redis is away."""
+        loop = asyncio.get_running_loop()
+        pause = RETRY_S[0]
+        while True:
+            try:
+                return await job_store.get_job(self._pool, job.id, job.tenant)
+            except (RedisError, OSError):
+                if loop.time() + pause >= deadline:
+                    raise
             await asyncio.sleep(pause)
             pause = min(pause * 2, RETRY_S[1])
-            continue
-        pause = RETRY_S[0]
-        ended = False
-        for _, entries in replies or ():
-            for entry_id, fields in entries:
-                last_id = entry_id
-                if STREAM_END in fields:  # written with the terminal record: nothing follows
-                    ended = True
-                    continue
-                text = dedup.fresh(fields["attempt"], fields["text"])
-                if text:
-                    yield text
-        if ended and not done:
-            try:
-                job = await job_store.get_job(redis, job_id, tenant)
-            except (RedisError, OSError):
-                continue  # read again from ``last_id``: the end marker was consumed, the
-                # record's terminal status ends the loop on the next turn
-            done = True
-        out_of_time = loop.time() >= deadline
-        if (done and (ended or not replies)) or out_of_time:
-            if job is not None:
-                yield job
-            return
+
+
+def _texts(entries: list[Entry], dedup: _Dedup) -> tuple[list[str], bool]:
+    """The new text in ``entries``, and whether they reach the stream's end marker."""
+    texts: list[str] = []
+    for _, fields in entries:
+        if STREAM_END in fields:  # written with the terminal record: nothing follows
+            return texts, True
+        text = dedup.fresh(fields["attempt"], fields["text"])
+        if text:
+            texts.append(text)
+    return texts, False

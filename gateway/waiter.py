@@ -1,8 +1,10 @@
 """Long-polling for job completion without polling Redis per request.
 
 One subscription per gateway process to the job-events channel wakes every request waiting
-for that job. Events can be missed while the subscription reconnects, so waiters also
-re-read the record every ``recheck_s``: a lost event costs latency, never correctness.
+for that job. Events published while the subscription is down are lost, so every waiter is
+woken to read its record again each time the subscription is (re)established; a waiter
+also reads it every ``recheck_s`` in case the connection died without telling (a half-open
+socket until the health check notices). A lost event costs latency, never correctness.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -22,12 +24,15 @@ from gateway import job_store
 
 log = logging.getLogger(__name__)
 
+RECHECK_S = 5.0
+"""How often a waiter reads its job's record even though no event woke it."""
+
 
 class JobWaiter:
-    def __init__(self, redis: Redis, recheck_s: float = 1.0) -> None:
+    def __init__(self, redis: Redis, recheck_s: float = RECHECK_S) -> None:
         self._redis = redis
-        self._recheck_s = recheck_s
-        self._events: dict[str, set[asyncio.Event]] = defaultdict(set)
+        self.recheck_s = recheck_s
+        self._watchers: dict[str, set[Callable[[], None]]] = defaultdict(set)
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -45,29 +50,46 @@ class JobWaiter:
                 async with self._redis.pubsub() as pubsub:
                     await pubsub.subscribe(JOB_EVENTS)
                     async for message in pubsub.listen():
-                        if message.get("type") == "message":
-                            for event in self._events.get(str(message["data"]), ()):
-                                event.set()
+                        kind = message.get("type")
+                        if kind == "message":
+                            for notify in list(self._watchers.get(str(message["data"]), ())):
+                                notify()
+                        elif kind == "subscribe":
+                            # Listening (again): what finished meanwhile published to nobody.
+                            self._wake_all()
             except (RedisError, OSError) as exc:
                 log.warning("job-events subscription lost (%s); reconnecting", exc)
-                await asyncio.sleep(self._recheck_s)
+                await asyncio.sleep(1.0)
+
+    def _wake_all(self) -> None:
+        for watchers in list(self._watchers.values()):
+            for notify in list(watchers):
+                notify()
+
+    @contextlib.contextmanager
+    def notifying(self, job_id: str, notify: Callable[[], None]) -> Iterator[None]:
+        """Call ``notify()`` (on the event loop) whenever ``job_id`` may have finished: its
+        event arrived, or events may have been missed. Register before reading the record."""
+        self._watchers[job_id].add(notify)
+        try:
+            yield
+        finally:
+            self._watchers[job_id].discard(notify)
+            if not self._watchers[job_id]:
+                del self._watchers[job_id]
 
     @contextlib.asynccontextmanager
     async def watching(self, job_id: str) -> AsyncIterator[asyncio.Event]:
-        """An event set when ``job_id`` finishes; register before reading the record."""
+        """An event set when ``job_id`` may have finished (``notifying``)."""
         event = asyncio.Event()
-        self._events[job_id].add(event)
-        try:
+        with self.notifying(job_id, event.set):
             yield event
-        finally:
-            self._events[job_id].discard(event)
-            if not self._events[job_id]:
-                del self._events[job_id]
 
     async def sleep(self, event: asyncio.Event, timeout_s: float) -> None:
-        """Until ``event`` is set or ``min(timeout_s, recheck_s)`` passed."""
+        """Until ``event`` is set or ``min(timeout_s, recheck_s)`` passed; clears it."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), min(timeout_s, self._recheck_s))
+            await asyncio.wait_for(event.wait(), min(timeout_s, self.recheck_s))
+        event.clear()
 
     async def wait(
         self, redis: Redis, job_id: str, tenant: str, timeout_s: float

@@ -27,7 +27,14 @@ from contracts.registry import AdapterRecord
 from gateway import job_store
 from gateway.access import Access
 from gateway.auth import ModelAccessDep, TenantDep
-from gateway.deps import MetricsDep, RedisDep, SettingsDep, SubmitterDep, WaiterDep
+from gateway.deps import (
+    MetricsDep,
+    RedisDep,
+    SettingsDep,
+    StreamsDep,
+    SubmitterDep,
+    WaiterDep,
+)
 from gateway.errors import (
     ADMISSION,
     AUTHENTICATED,
@@ -55,7 +62,7 @@ from gateway.openai_schemas import (
 )
 from gateway.registry import granted_models
 from gateway.routes.jobs import IdempotencyKeyHeader
-from gateway.streams import StreamDiverged, follow
+from gateway.streams import StreamDiverged
 from gateway.submit import Idempotency, Submission
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -132,6 +139,7 @@ class _Call:
     submitter: SubmitterDep
     redis: RedisDep
     waiter: WaiterDep
+    streams: StreamsDep
     settings: SettingsDep
     metrics: MetricsDep
     idempotency_key: str | None = None
@@ -143,12 +151,15 @@ async def _call(
     submitter: SubmitterDep,
     redis: RedisDep,
     waiter: WaiterDep,
+    streams: StreamsDep,
     settings: SettingsDep,
     metrics: MetricsDep,
     idempotency_key: IdempotencyKeyHeader = None,
 ) -> _Call:
     # A coroutine: FastAPI would build a class dependency in its thread pool.
-    return _Call(request, access, submitter, redis, waiter, settings, metrics, idempotency_key)
+    return _Call(
+        request, access, submitter, redis, waiter, streams, settings, metrics, idempotency_key
+    )
 
 
 CallDep = Annotated[_Call, Depends(_call)]
@@ -350,7 +361,7 @@ async def _events(
     if kind.opening is not None:
         yield chunk(kind.opening)
     try:
-        async for item in follow(call.redis, job.id, job.tenant, timeout_s):
+        async for item in call.streams.follow(job, timeout_s):
             if isinstance(item, str):
                 yield chunk(kind.delta(item))
                 continue

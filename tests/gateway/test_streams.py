@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 from redis import Redis
@@ -13,8 +14,10 @@ from redis.asyncio import Redis as AsyncRedis
 from contracts.job_records import ADVANCE, advance_call
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import job_key, stream_key
+from contracts.redis_policy import async_client
 from gateway import streams
-from gateway.streams import StreamDiverged, _Dedup
+from gateway.streams import StreamDiverged, StreamHub, _Dedup
+from gateway.waiter import JobWaiter
 from lorafleet.stack import LocalStack
 from tests.helpers import new_job
 
@@ -37,36 +40,169 @@ def test_a_new_attempt_that_says_something_else_ends_the_stream() -> None:
         dedup.fresh("2", "A slow")
 
 
-def test_a_reader_ends_at_the_end_marker_without_waiting_for_a_timeout(
-    infra: LocalStack, redis: Redis, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The reader blocks on the stream with no timeout at all: only the end marker, written
-    with the terminal record, can end it (before the marker, each stream ended a blocked
-    read's 200 ms after its last token)."""
-    monkeypatch.setattr(streams, "BLOCK_MS", 0)  # XREAD BLOCK 0: wait for ever
+class Hub:
+    """A ``StreamHub`` with its waiter on the session's Redis, as the gateway runs them, in a
+    loop on a thread of its own; ``follow`` reads one stream to its end from any thread."""
+
+    def __init__(self, url: str, max_connections: int = 8, recheck_s: float = 600) -> None:
+        self._url, self._max, self._recheck_s = url, max_connections, recheck_s
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> Hub:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(30)
+        return self
+
+    async def _start(self) -> None:
+        self.pool = async_client(self._url, self._max, pool_timeout_s=5, decode_responses=True)
+        self._events = AsyncRedis.from_url(self._url, decode_responses=True)
+        self._reader = AsyncRedis.from_url(
+            self._url, decode_responses=True, single_connection_client=True
+        )
+        self.waiter = JobWaiter(self._events, recheck_s=self._recheck_s)
+        self.waiter.start()
+        self.hub = StreamHub(self._reader, self.pool, self.waiter)
+        self.hub.start()
+        while "stream-hub" not in {t.get_name() for t in asyncio.all_tasks()}:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # subscribed
+
+    def follow(self, job: JobPublic, timeout_s: float = 600) -> Future[list[str | JobPublic]]:
+        async def read() -> list[str | JobPublic]:
+            return [item async for item in self.hub.follow(job, timeout_s)]
+
+        return asyncio.run_coroutine_threadsafe(read(), self.loop)
+
+    def __exit__(self, *_: object) -> None:
+        async def stop() -> None:
+            await self.hub.stop()
+            await self.waiter.stop()
+            for client in (self.pool, self._events, self._reader):
+                await client.aclose()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+
+
+def _running(redis: Redis) -> JobPublic:
     job = new_job(status=JobStatus.RUNNING, attempts=1)
     redis.hset(job_key(job.id), mapping={"status": "running", "record": job.model_dump_json()})
     redis.hset(job_key(job.id), "attempts", 1)
+    return job
 
-    async def read() -> list[str | JobPublic]:
-        client = AsyncRedis.from_url(infra.redis_url, decode_responses=True)
-        try:
-            return [item async for item in streams.follow(client, job.id, "t", timeout_s=600)]
-        finally:
-            await client.aclose()
 
-    def worker() -> None:
+def _finish(redis: Redis, job: JobPublic, status: JobStatus = JobStatus.SUCCEEDED) -> None:
+    keys, args = advance_call(job.model_copy(update={"status": status}), 60)
+    redis.register_script(ADVANCE)(keys=keys, args=args)
+
+
+def _write(redis: Redis, job: JobPublic, *texts: str, attempt: str = "w|1") -> None:
+    for text in texts:
+        redis.xadd(stream_key(job.id), {"attempt": attempt, "text": text})
+
+
+def test_a_follower_ends_at_the_end_marker_without_waiting_for_a_timeout(
+    infra: LocalStack, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shared read blocks with no timeout at all and followers never look again on their
+    own: only the end marker, written with the terminal record, can end the stream (before
+    the marker, each stream ended a blocked read's 200 ms after its last token)."""
+    monkeypatch.setattr(streams, "BLOCK_MS", 0)  # XREAD BLOCK 0: wait for ever
+    job = _running(redis)
+    with Hub(infra.redis_url) as hub:
+        reading = hub.follow(job)
         time.sleep(0.5)  # the reader is blocked by now
-        for text in ("Hel", "lo"):
-            redis.xadd(stream_key(job.id), {"attempt": "w|1", "text": text})
-        done = job.model_copy(update={"status": JobStatus.SUCCEEDED})
-        keys, args = advance_call(done, 60)
-        redis.register_script(ADVANCE)(keys=keys, args=args)
-
-    writer = threading.Thread(target=worker)
-    writer.start()
-    items = asyncio.run(asyncio.wait_for(read(), timeout=120))  # a hang fails, not a bound
-    writer.join()
+        _write(redis, job, "Hel", "lo")
+        _finish(redis, job)
+        items = reading.result(timeout=120)  # a hang fails, not a bound
     assert items[:-1] == ["Hel", "lo"]
     final = items[-1]
     assert isinstance(final, JobPublic) and final.status == JobStatus.SUCCEEDED
+
+
+def test_a_job_that_ends_without_streaming_ends_its_follower_through_its_event(
+    infra: LocalStack, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job can fail before it streams a word (a tampered adapter): it has no stream and no
+    end marker. Its terminal write's event ends the follower (which never looks again on its
+    own here)."""
+    monkeypatch.setattr(streams, "BLOCK_MS", 0)
+    job = _running(redis)
+    with Hub(infra.redis_url) as hub:
+        reading = hub.follow(job)
+        time.sleep(0.5)
+        _finish(redis, job, JobStatus.FAILED)
+        items = reading.result(timeout=120)
+    assert len(items) == 1
+    assert isinstance(items[0], JobPublic) and items[0].status == JobStatus.FAILED
+
+
+def test_hundreds_of_streams_are_read_over_one_connection_beside_a_small_pool(
+    infra: LocalStack, redis: Redis
+) -> None:
+    """300 streams followed at once through a hub whose process pool has 4 connections: the
+    shared read holds one connection of its own, so every stream is read to its end (one
+    reader per stream would have needed 300)."""
+    jobs = [_running(redis) for _ in range(300)]
+    with Hub(infra.redis_url, max_connections=4, recheck_s=1) as hub:
+        readings = [hub.follow(job, timeout_s=120) for job in jobs]
+        time.sleep(0.5)
+        for round_ in range(3):
+            for job in jobs:
+                _write(redis, job, f"{job.id[:4]}-{round_} ")
+        for job in jobs:
+            _finish(redis, job)
+        results = [reading.result(timeout=180) for reading in readings]
+    for job, items in zip(jobs, results, strict=True):
+        assert "".join(str(item) for item in items[:-1]) == "".join(
+            f"{job.id[:4]}-{round_} " for round_ in range(3)
+        )
+        assert isinstance(items[-1], JobPublic) and items[-1].status == JobStatus.SUCCEEDED
+
+
+def test_the_shared_read_resumes_after_its_connection_is_lost_without_loss_or_repeat(
+    infra: LocalStack, redis: Redis
+) -> None:
+    """The reader's connection is killed between deltas (a Redis restart or failover looks
+    the same to it): it reconnects and reads on from the last entry each follower got."""
+    job = _running(redis)
+    with Hub(infra.redis_url) as hub:
+        reading = hub.follow(job)
+        time.sleep(0.5)
+        _write(redis, job, "one ")
+        time.sleep(0.3)
+        killed = 0
+        for client in redis.client_list():
+            if client["cmd"] in ("xread", "client|id") and client["id"] != str(redis.client_id()):
+                killed += int(redis.client_kill_filter(_id=client["id"]))
+        assert killed == 1  # the hub's reader, blocked in its shared XREAD
+        _write(redis, job, "two ", "three")
+        _finish(redis, job)
+        items = reading.result(timeout=120)
+    assert "".join(str(item) for item in items[:-1]) == "one two three"
+    assert isinstance(items[-1], JobPublic) and items[-1].status == JobStatus.SUCCEEDED
+
+
+def test_a_long_poll_learns_of_an_end_published_while_its_subscription_was_down(
+    infra: LocalStack, redis: Redis
+) -> None:
+    """The job-events subscription drops, and the job ends before it is back: that event
+    reached nobody. Re-subscribed, the waiter wakes every request to read its record again
+    (which here never looks again on its own)."""
+    job = _running(redis)
+    with Hub(infra.redis_url) as hub:
+        waiting = asyncio.run_coroutine_threadsafe(
+            hub.waiter.wait(hub.pool, job.id, job.tenant, timeout_s=120), hub.loop
+        )
+        time.sleep(0.3)
+        killed = sum(
+            int(redis.client_kill_filter(_id=client["id"]))
+            for client in redis.client_list()
+            if client["cmd"] == "subscribe"
+        )
+        assert killed == 1
+        _finish(redis, job)  # published while the waiter reconnects (it pauses 1 s first)
+        finished = waiting.result(timeout=180)
+    assert finished is not None and finished.status == JobStatus.SUCCEEDED
