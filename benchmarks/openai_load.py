@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,15 +53,18 @@ class Scenario:
 class Outcome:
     """One request. Times in seconds from its start; ``error`` is set if it failed."""
 
-    error: str | None = None
+    error: str | None = None  # "<kind>: <detail>"
+    error_kind: str | None = None  # "HTTP 503", "error event", "ClientPayloadError", ...
     tokens: int = 0
     prompt_tokens: int = 0
     first_s: float | None = None  # first chunk with text (streamed)
     last_s: float | None = None  # last chunk with text (streamed)
     e2e_s: float = 0.0
 
-    def fail(self, why: str) -> None:
-        self.error = self.error or why  # the first reason is the one worth reading
+    def fail(self, kind: str, detail: str = "") -> None:
+        if self.error is None:  # the first reason is the one worth reading
+            self.error_kind = kind
+            self.error = f"{kind}: {detail}" if detail else kind
 
     def read_usage(self, answer: dict[str, Any]) -> None:
         self.tokens = int(answer["usage"]["completion_tokens"])
@@ -78,7 +82,7 @@ async def _read_stream(response: aiohttp.ClientResponse, outcome: Outcome, start
             continue
         chunk = json.loads(data)
         if "error" in chunk:
-            outcome.fail(f"error event: {chunk['error'].get('message')}")
+            outcome.fail("error event", str(chunk["error"].get("message")))
         choices = chunk.get("choices")
         if choices and choices[0].get("text"):
             outcome.last_s = time.perf_counter() - start
@@ -87,11 +91,11 @@ async def _read_stream(response: aiohttp.ClientResponse, outcome: Outcome, start
             outcome.read_usage(chunk)
             counted = True
     if not done:
-        outcome.fail("the stream ended without [DONE]")
+        outcome.fail("no [DONE]", "the stream ended without it")
     elif outcome.first_s is None:
-        outcome.fail("the stream held no text")
+        outcome.fail("no text", "the stream held none")
     elif not counted:
-        outcome.fail("the stream held no usage")
+        outcome.fail("no usage", "the stream held none")
 
 
 async def complete(http: aiohttp.ClientSession, body: dict[str, Any]) -> Outcome:
@@ -101,16 +105,16 @@ async def complete(http: aiohttp.ClientSession, body: dict[str, Any]) -> Outcome
     try:
         async with http.post("/v1/completions", json=body) as response:
             if response.status != 200:
-                outcome.fail(f"HTTP {response.status}: {(await response.text())[:300]}")
+                outcome.fail(f"HTTP {response.status}", (await response.text())[:300])
             elif body["stream"]:
                 await _read_stream(response, outcome, start)
             else:
                 outcome.read_usage(json.loads(await response.read()))
     except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
-        outcome.fail(f"{type(exc).__name__}: {exc}")
+        outcome.fail(type(exc).__name__, str(exc))
     outcome.e2e_s = time.perf_counter() - start
     if outcome.error is None and outcome.tokens < body["max_tokens"]:
-        outcome.fail(f"{outcome.tokens} of {body['max_tokens']} tokens")
+        outcome.fail("too few tokens", f"{outcome.tokens} of {body['max_tokens']}")
     return outcome
 
 
@@ -161,6 +165,7 @@ class Summary:
 
     ok: int
     failed: int
+    failures: dict[str, int]  # kind of failure -> requests
     first_failure: str | None
     req_per_s: float
     tok_per_s: float
@@ -174,7 +179,8 @@ class Summary:
 def summarise(runs: list[Run]) -> Summary:
     outcomes = [outcome for run in runs for outcome in run.outcomes]
     good = [outcome for outcome in outcomes if outcome.error is None]
-    failures = [outcome.error for outcome in outcomes if outcome.error is not None]
+    failures = [outcome for outcome in outcomes if outcome.error is not None]
+    kinds = Counter(str(outcome.error_kind) for outcome in failures)
     elapsed_s = sum(run.elapsed_s for run in runs)
     ttft = [o.first_s * 1000 for o in good if o.first_s is not None]
     tpot = [
@@ -186,7 +192,8 @@ def summarise(runs: list[Run]) -> Summary:
     return Summary(
         ok=len(good),
         failed=len(failures),
-        first_failure=failures[0] if failures else None,
+        failures=dict(kinds.most_common()),
+        first_failure=failures[0].error if failures else None,
         req_per_s=len(good) / elapsed_s if elapsed_s else 0.0,
         tok_per_s=sum(o.tokens for o in good) / elapsed_s if elapsed_s else 0.0,
         ttft_p50_ms=percentile(ttft, 50),
