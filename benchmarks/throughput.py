@@ -302,7 +302,9 @@ class Offline:
     beside the running stack (its engine waits idle while the pipeline runs: the runs print
     its CPU)."""
 
-    def __init__(self, model: Path, adapters: dict[str, Path]) -> None:
+    def __init__(
+        self, model: Path, adapters: dict[str, Path], new_tokens: int = NEW_TOKENS
+    ) -> None:
         from vllm import LLM, SamplingParams
         from vllm.lora.request import LoRARequest
 
@@ -321,7 +323,7 @@ class Offline:
             alias: LoRARequest(alias, index + 1, str(path))
             for index, (alias, path) in enumerate(sorted(adapters.items()))
         }
-        self._params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        self._params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         self._short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         self._llm.generate(
             ["warm up"] * len(self._requests),

@@ -1,7 +1,8 @@
 """How job records change in Redis: one Lua script, used by the gateway and the worker alike.
 
-A record is a hash ``{status, record (JobPublic JSON), attempts}`` under ``job_key(id)``.
-Every change goes through ``ADVANCE``, a compare-and-set that
+A record is a hash ``{status, record (JobPublic JSON), attempts}`` under ``job_key(id)``,
+with ``started_at`` and ``worker`` beside them while an attempt runs (``job_of`` reads them
+together). Every change but a claim goes through ``ADVANCE``, a compare-and-set that
 
 - never moves a job out of a terminal state (succeeded, failed, cancelled), so a redelivered
   or late attempt can't overwrite the outcome, and the first terminal write is the only one;
@@ -20,8 +21,9 @@ Every change goes through ``ADVANCE``, a compare-and-set that
   it). So every effect of a job's outcome happens exactly once, however often the job is
   delivered.
 
-A worker starts an attempt with ``CLAIM`` (the same compare-and-set on ``attempts``, refused
-while another attempt holds the job's lease) and keeps its lease alive with ``RENEW``;
+A worker starts an attempt with ``CLAIM`` (which counts the attempt and writes only the
+fields beside the record, refused while another attempt holds the job's lease) and keeps its
+lease alive with ``RENEW``;
 streamed text is appended with ``APPEND_DELTAS``, refused to an attempt that no longer holds
 the lease. So two attempts of one job never generate at once, and a stale one can neither
 write an outcome (its ``attempts`` is not the counter's) nor interleave its text.
@@ -29,7 +31,10 @@ write an outcome (its ``attempts`` is not the counter's) nor interleave its text
 
 from __future__ import annotations
 
-from enum import IntEnum
+from collections.abc import Sequence
+from datetime import datetime
+from enum import IntEnum, StrEnum
+from typing import Any
 
 from contracts.jobs import TERMINAL_STATUSES, JobPublic, JobStatus
 from contracts.keys import (
@@ -73,6 +78,7 @@ if ARGV[4] ~= '' and (redis.call('HGET', KEYS[1], 'attempts') or '0') ~= ARGV[4]
   return -2
 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'record', ARGV[2])
+redis.call('HDEL', KEYS[1], 'started_at', 'worker')  -- the record says it all now
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'attempts', ARGV[5]) end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 if ARGV[1] ~= '{JobStatus.RUNNING.value}' then redis.call('DEL', KEYS[10]) end
@@ -109,21 +115,71 @@ return 1
 
 CLAIM = f"""
 local function terminal(s) return {_TERMINAL_LUA} end
--- KEYS: 1 job, 2 lease. ARGV: 1 record, 2 expected attempts, 3 attempts, 4 lease value,
--- 5 lease ttl (ms), 6 record ttl (s).
+-- KEYS: 1 job, 2 lease. ARGV: 1 worker id, 2 lease ttl (ms), 3 record ttl (s), 4 max attempts,
+-- 5 started at (ISO 8601), 6 '1' to leave a running job without a lease alone (rejoining).
+-- Returns {{outcome, record, attempts}}.
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return -1 end
-if terminal(status) then return 0 end
-if (redis.call('HGET', KEYS[1], 'attempts') or '0') ~= ARGV[2] then return -2 end
-if redis.call('EXISTS', KEYS[2]) == 1 then return -3 end
-redis.call('HSET', KEYS[1], 'status', '{JobStatus.RUNNING.value}', 'record', ARGV[1],
-           'attempts', ARGV[3])
-redis.call('EXPIRE', KEYS[1], ARGV[6])
-redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[5])
-return 1
+if not status then return {{'missing'}} end
+local record = redis.call('HGET', KEYS[1], 'record')
+local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0')
+if terminal(status) then return {{'finished', record, attempts}} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {{'leased', record, attempts}} end
+if status == '{JobStatus.RUNNING.value}' and ARGV[6] == '1' then
+  return {{'rejoining', record, attempts}}
+end
+local failures = cjson.decode(record)['engine_failures']
+local most = tonumber(ARGV[4])
+if attempts >= most or (type(failures) == 'number' and failures >= most) then
+  return {{'exhausted', record, attempts}}
+end
+attempts = attempts + 1
+redis.call('HSET', KEYS[1], 'status', '{JobStatus.RUNNING.value}', 'attempts', attempts,
+           'started_at', ARGV[5], 'worker', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+-- The lease value is ``lease_value(worker id, attempt)``.
+redis.call('SET', KEYS[2], ARGV[1] .. '|' .. attempts, 'PX', ARGV[2])
+return {{'run', record, attempts}}
 """
-"""Start an attempt: the record becomes ``running`` with ``attempts`` counted and the lease
-is taken, only if nobody wrote since the claimant read the record and no lease is held."""
+"""Start an attempt, in one round trip: unless the job is finished, another attempt holds
+its lease, or it may not start again (``exhausted``: too many attempts or engine deaths
+under it), it becomes ``running`` with the attempt counted and claimed (``started_at``,
+``worker``: hash fields beside the record, see ``job_of``) and the lease is taken. The
+record is returned in every case, so the caller needs no read of its own."""
+
+
+class Claimed(StrEnum):
+    """What ``CLAIM`` did."""
+
+    RUN = "run"
+    FINISHED = "finished"
+    MISSING = "missing"
+    LEASED = "leased"
+    REJOINING = "rejoining"
+    EXHAUSTED = "exhausted"
+
+
+RECORD_FIELDS = ("record", "status", "attempts", "started_at", "worker")
+"""The fields of a job's hash that make up the job as callers see it (``job_of``)."""
+
+
+def job_of(values: Sequence[Any]) -> JobPublic | None:
+    """The job a hash's ``RECORD_FIELDS`` (in order) describe: the record last written, under
+    the status and attempt count the scripts keep beside it and, while an attempt runs, its
+    claim (``CLAIM`` writes only those, not the record). ``None`` if there is no record."""
+    record, status, attempts, started_at, worker = values
+    if record is None:
+        return None
+    job = JobPublic.model_validate_json(record)
+    update: dict[str, object] = {}
+    if status is not None and status != job.status.value:
+        update["status"] = JobStatus(status)
+    if attempts is not None and int(attempts) != job.attempts:
+        update["attempts"] = int(attempts)
+    if started_at is not None:
+        update["started_at"] = datetime.fromisoformat(started_at)
+        update["worker"] = worker
+    return job.model_copy(update=update) if update else job
+
 
 HOLDS_LUA = f"""
 local function holds(lease, job, value, ttl)
@@ -186,13 +242,12 @@ return refused
 
 
 class Advance(IntEnum):
-    """What ``ADVANCE`` (or ``CLAIM``) did."""
+    """What ``ADVANCE`` did."""
 
     WRITTEN = 1
     ALREADY_FINISHED = 0
     MISSING = -1
     CONFLICT = -2
-    LEASED = -3  # CLAIM only: another attempt holds the lease
 
 
 def lease_value(worker_id: str, attempt: int) -> str:
@@ -238,17 +293,25 @@ def advance_call(
 
 
 def claim_call(
-    job: JobPublic, expect_attempts: int, lease: str, lease_ttl_s: float, ttl_s: int
+    job_id: str,
+    worker_id: str,
+    started_at: datetime,
+    max_attempts: int,
+    rejoining: bool,
+    lease_ttl_s: float,
+    ttl_s: int,
 ) -> tuple[list[str], list[str | int]]:
-    """``(keys, args)`` of ``CLAIM`` writing ``job`` (``running``, its attempt counted)."""
-    keys = [job_key(job.id), lease_key(job.id)]
+    """``(keys, args)`` of ``CLAIM``: ``worker_id`` starts an attempt of ``job_id`` at
+    ``started_at``, unless ``max_attempts`` were started (or engines died under it as often);
+    ``rejoining`` leaves a running job without a lease to the attempt that may take it back."""
+    keys = [job_key(job_id), lease_key(job_id)]
     args: list[str | int] = [
-        job.model_dump_json(),
-        str(expect_attempts),
-        str(job.attempts),
-        lease,
+        worker_id,
         _ms(lease_ttl_s),
         ttl_s,
+        max_attempts,
+        started_at.isoformat(),
+        "1" if rejoining else "",
     ]
     return keys, args
 

@@ -37,11 +37,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.settings = settings
-        # A burst of requests waits for a free connection, within the request's Redis bound.
+        # A burst of requests waits its turn for a free connection, within its own bound.
         app.state.redis = async_client(
             settings.redis_url,
             settings.redis_max_connections,
-            pool_timeout_s=settings.redis_timeout_s,
+            pool_timeout_s=settings.request_timeout_s,
             socket_timeout=settings.redis_timeout_s,
             socket_connect_timeout=settings.redis_timeout_s,
             decode_responses=True,

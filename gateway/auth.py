@@ -43,7 +43,7 @@ async def authenticate(
     """The tenant owning the presented key (``check`` without a name), within the Redis
     bound: 503 when the key store does not answer."""
     try:
-        async with asyncio.timeout(settings.redis_timeout_s):
+        async with asyncio.timeout(settings.request_timeout_s):
             return (await check(redis, presented)).tenant
     except (RedisError, OSError, TimeoutError) as exc:
         raise unavailable("the key store is unreachable", exc, _NOT_AUTHENTICATED) from exc
@@ -59,7 +59,7 @@ def _access_to(field: str) -> Callable[..., Awaitable[Access]]:
         body = request.scope.get("state", {}).get(PARSED)
         name = body.get(field) if isinstance(body, dict) else None
         try:
-            async with asyncio.timeout(settings.redis_timeout_s):
+            async with asyncio.timeout(settings.request_timeout_s):
                 return await check(redis, presented, name if isinstance(name, str) else "")
         except (RedisError, OSError, TimeoutError) as exc:
             raise unavailable("the key store is unreachable", exc, _NOT_AUTHENTICATED) from exc

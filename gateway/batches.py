@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 from contracts import admission, strict_json
 from contracts.batches import BatchEndpoint, BatchLine, BatchPublic, BatchRecord, batch_public
 from contracts.errors import ErrorCode
+from contracts.job_records import RECORD_FIELDS, job_of
 from contracts.jobs import MAX_PROMPT_CHARS, JobMessage, JobPublic, JobStatus, Sampling
 from contracts.keys import batch_jobs_key, batch_key, job_key
 from contracts.tenants import TenantRecord
@@ -274,7 +275,7 @@ class Batches:
                 f"The batch holds {len(lines)} requests; at most {settings.max_batch_requests} "
                 "are accepted. Nothing was enqueued; split it.",
             )
-        async with self._submitter.bounded(settings.redis_timeout_s + 0.01 * len(lines)):
+        async with self._submitter.bounded(settings.request_timeout_s + 0.01 * len(lines)):
             if webhook is not None:
                 await check_target(webhook, settings)
             return await self._create(
@@ -437,12 +438,9 @@ class Batches:
             lines = [BatchLine.model_validate_json(item) for item in raw]
             async with self._redis.pipeline(transaction=False) as pipe:
                 for line in lines:
-                    pipe.hget(job_key(line.job_id), "record")
+                    pipe.hmget(job_key(line.job_id), RECORD_FIELDS)
                 records = await pipe.execute()
-            yield [
-                (line, None if rec is None else JobPublic.model_validate_json(rec))
-                for line, rec in zip(lines, records, strict=True)
-            ]
+            yield [(line, job_of(rec)) for line, rec in zip(lines, records, strict=True)]
             start += READ_CHUNK
 
     async def cancel(self, tenant: TenantRecord, batch_id: str) -> BatchPublic | None:

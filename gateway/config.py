@@ -16,8 +16,16 @@ class GatewaySettings(ServiceSettings):
     redis_timeout_s: float = Field(
         default=2.0,
         gt=0,
-        description="Bound on the Redis and queue work of one request: past it the answer is "
-        "503 with `Retry-After`, and nothing is left admitted.",
+        description="Bound on one Redis command (reply, connection, a free pooled connection): "
+        "a Redis that does not answer makes the request 503 with `Retry-After`, and nothing is "
+        "left admitted.",
+    )
+    request_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Bound on all the Redis work of one request, waiting for this process's "
+        "event loop included: a burst larger than the gateway serves at once waits its turn "
+        "this long before it is refused (503 with `Retry-After`, nothing left admitted).",
     )
     max_body_bytes: int = Field(
         default=1024 * 1024, ge=1024, description="Largest request body; larger is 413."

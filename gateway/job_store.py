@@ -9,17 +9,14 @@ from datetime import UTC, datetime
 from redis.asyncio import Redis
 
 from contracts.errors import ErrorBody, ErrorCode
-from contracts.job_records import ADVANCE, Advance, advance_call
+from contracts.job_records import ADVANCE, RECORD_FIELDS, Advance, advance_call, job_of
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import job_key
 
 
 async def get_job(redis: Redis, job_id: str, tenant: str) -> JobPublic | None:
-    raw = await redis.hget(job_key(job_id), "record")
-    if raw is None:
-        return None
-    job = JobPublic.model_validate_json(raw)
-    return job if job.tenant == tenant else None
+    job = job_of(await redis.hmget(job_key(job_id), RECORD_FIELDS))
+    return job if job is not None and job.tenant == tenant else None
 
 
 async def cancel_job(

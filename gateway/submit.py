@@ -122,9 +122,9 @@ class Submitter:
         """Admit and enqueue ``request`` for the caller ``access`` authenticated (and resolved
         ``request.adapter`` for), or raise ``ApiError``.
 
-        Redis and the broker get ``redis_timeout_s`` in all: past it the answer is 503.
+        Redis and the broker get ``request_timeout_s`` in all: past it the answer is 503.
         """
-        async with self.bounded(self._settings.redis_timeout_s):
+        async with self.bounded(self._settings.request_timeout_s):
             assert access.name == request.adapter, "access resolved another name"
             resolved = access.admissible()
             admitted, reserved = await self._submit(access.tenant, resolved, request, idempotency)

@@ -18,6 +18,7 @@ import httpx
 from celery import Celery
 from redis import Redis
 
+from contracts.job_records import RECORD_FIELDS, job_of
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import WORKERS_INDEX, job_key, worker_key
 from contracts.queues import Tier
@@ -120,9 +121,9 @@ def new_job(**fields: Any) -> JobPublic:
 
 def job_record(redis: Redis, job_id: str) -> JobPublic:
     """The job's record, read from Redis directly."""
-    raw = redis.hget(job_key(job_id), "record")
-    assert raw is not None, f"no record for job {job_id}"
-    return JobPublic.model_validate_json(raw)  # type: ignore[arg-type]
+    job = job_of(redis.hmget(job_key(job_id), RECORD_FIELDS))  # type: ignore[arg-type]
+    assert job is not None, f"no record for job {job_id}"
+    return job
 
 
 def job_when(

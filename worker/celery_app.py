@@ -22,9 +22,11 @@ they add up to (README, "Delivery guarantees"):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from celery import Celery
@@ -45,6 +47,11 @@ from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 settings = get_settings()
+# Celery logs two INFO lines per task ("received", "succeeded in"): 0.8 ms of a worker's CPU
+# per job, measured (benchmarks/short_jobs.py), for what job records and metrics say better.
+# Its warnings and errors, and every line of lorafleet's own, are still logged.
+for _per_task in ("celery.app.trace", "celery.worker.strategy"):
+    logging.getLogger(_per_task).setLevel(logging.WARNING)
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 app = Celery("lorafleet", broker=settings.effective_broker_url, include=["worker.tasks"])
@@ -93,6 +100,26 @@ def _refuse_when_detached(original: Any) -> Any:
 
 
 RedisChannel._connparams = _refuse_when_detached(RedisChannel._connparams)  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _one_client_per_pool(self: Any, client: Any = None) -> Iterator[Any]:
+    """kombu's Redis channel builds a new ``redis.Redis`` (setting up its hundreds of reply
+    callbacks) for every receipt and every ack; measured at 7% of a busy worker's Python
+    time. One client per connection pool serves them all: a client is thread-safe, each
+    command takes a connection from the pool. The pool is looked up as kombu looks it up,
+    so a channel whose connection is gone still raises where it did (``_connparams``)."""
+    if client:
+        yield client
+        return
+    pool = self.pool
+    shared = self.__dict__.get("_lorafleet_client")
+    if shared is None or shared.connection_pool is not pool:
+        shared = self.__dict__["_lorafleet_client"] = self._create_client()
+    yield shared
+
+
+RedisChannel.conn_or_acquire = _one_client_per_pool  # type: ignore[method-assign,assignment]
 
 _runtime: WorkerRuntime | None = None
 

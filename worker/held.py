@@ -5,7 +5,8 @@ broker delivery tag -> task id) and cleared once its outcome is stored; if this 
 another worker's reaper hands everything recorded back to its queue (``worker.reaper``).
 The writes happen on a thread of their own, in order and pipelined, so the consumer thread
 never waits on Redis; what remains exposed is the moment between a message's receipt and its
-write (normally well under a millisecond), covered by the visibility timeout.
+write (a few milliseconds: the writer gathers deliveries into one write), covered by the
+visibility timeout.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 from redis import Redis
 from redis.exceptions import RedisError
@@ -24,6 +26,9 @@ log = logging.getLogger(__name__)
 
 _HOLD, _RELEASE = "hold", "release"
 RETRY_S = 0.5
+COALESCE_S = 0.005
+"""How long the writer gathers deliveries before it writes them (the visibility timeout covers
+a worker that dies meanwhile, as it covers the moment before any write)."""
 
 
 class HeldDeliveries:
@@ -58,6 +63,9 @@ class HeldDeliveries:
                     pending.append(self._ops.get(timeout=0.2))
                 except queue.Empty:
                     continue
+                # Under load deliveries arrive one by one: gathering for a moment makes one
+                # write of many (a write per delivery cost ~0.4 ms of CPU per job).
+                time.sleep(COALESCE_S)
             while True:
                 try:
                     pending.append(self._ops.get_nowait())

@@ -1,6 +1,6 @@
 """Job records in Redis, worker side: claim a delivery, finish it, or give it back.
 
-A claim is ``contracts.job_records.CLAIM`` (compare-and-set on ``attempts``, refused while
+A claim is ``contracts.job_records.CLAIM`` (it counts the attempt itself, refused while
 another attempt holds the job's lease); every other write is one call of ``ADVANCE``. An
 outcome is written only if ``attempts`` still holds this attempt's number, so an attempt that
 another one superseded (after a long Redis outage, say) cannot overwrite anything.
@@ -8,6 +8,7 @@ another one superseded (after a long Redis outage, say) cannot overwrite anythin
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -20,9 +21,18 @@ from redis import Redis
 from redis.exceptions import ConnectionError, TimeoutError
 
 from contracts.errors import ErrorBody, ErrorCode
-from contracts.job_records import ADVANCE, CLAIM, Advance, advance_call, claim_call, lease_value
+from contracts.job_records import (
+    ADVANCE,
+    CLAIM,
+    RECORD_FIELDS,
+    Advance,
+    Claimed,
+    advance_call,
+    claim_call,
+    job_of,
+)
 from contracts.jobs import JobPublic, JobResult, JobStatus, ResultMetadata
-from contracts.keys import job_key, lease_key
+from contracts.keys import job_key
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,10 +104,7 @@ class JobStore:
                 delay = min(delay * 2, 2.0)
 
     def get(self, job_id: str) -> JobPublic | None:
-        raw = self._patiently(lambda: self._redis.hget(job_key(job_id), "record"))
-        if raw is None:
-            return None
-        return JobPublic.model_validate_json(raw)
+        return job_of(self._patiently(lambda: self._redis.hmget(job_key(job_id), RECORD_FIELDS)))
 
     def statuses(self, job_ids: list[str]) -> dict[str, str | None]:
         """Current status of each job (``None``: no record), in one round trip."""
@@ -119,7 +126,7 @@ class JobStore:
         rejoin_s: float,
     ) -> Claim:
         """Start an attempt: ``running`` with the attempt counted and the lease taken, unless
-        the job must not run here.
+        the job must not run here. One round trip when it runs (``CLAIM``).
 
         The attempt is counted before anything runs, so a job that kills its worker every
         time is stopped by the counter even though no attempt ever finishes. While another
@@ -130,46 +137,47 @@ class JobStore:
         attempt to take its lease back before it is claimed again.
         """
         while True:
-            job = self.get(job_id)
-            if job is None:
+            started = _now()
+            keys, args = claim_call(
+                job_id,
+                self._worker_id,
+                started,
+                max_attempts,
+                self.outage_within(rejoin_s),
+                self._lease_ttl_s,
+                self._ttl_s,
+            )
+            reply = self._patiently(functools.partial(self._claim, keys=keys, args=args))
+            outcome = Claimed(reply[0])
+            if outcome == Claimed.MISSING:
                 return Claim(ClaimOutcome.MISSING, None)
-            if job.status.terminal:
+            record, attempts = reply[1], int(reply[2])
+            job = job_of([record, None, attempts, None, None])
+            assert job is not None
+            if outcome == Claimed.FINISHED:
                 return Claim(ClaimOutcome.FINISHED, job)
-            held = self._patiently(lambda: self._redis.exists(lease_key(job_id)))
-            rejoining = job.status == JobStatus.RUNNING and self.outage_within(rejoin_s)
-            if held or rejoining:
-                if abandon():
-                    return Claim(ClaimOutcome.ABANDONED, job)
-                if time.time() >= wait_until:
-                    return Claim(ClaimOutcome.ELSEWHERE, job)
-                time.sleep(LEASE_POLL_S)
-                continue
-            exhausted = _exhausted(job, max_attempts)
-            if exhausted is not None:
-                outcome = self._write(exhausted, expect_attempts=job.attempts)
-                wanted = ClaimOutcome.EXHAUSTED
-                claimed = exhausted
-            else:
+            if outcome == Claimed.RUN:
                 claimed = job.model_copy(
                     update={
                         "status": JobStatus.RUNNING,
-                        "started_at": _now(),
-                        "attempts": job.attempts + 1,
+                        "started_at": started,
                         "worker": self._worker_id,
                     }
                 )
-                outcome = self._start(claimed, expect_attempts=job.attempts)
-                wanted = ClaimOutcome.RUN
-            if outcome == Advance.WRITTEN:
-                return Claim(wanted, claimed)
-            if outcome == Advance.MISSING:
-                return Claim(ClaimOutcome.MISSING, None)
-            # CONFLICT, LEASED or ALREADY_FINISHED: someone wrote in between; decide again.
-
-    def _start(self, claimed: JobPublic, expect_attempts: int) -> Advance:
-        lease = lease_value(self._worker_id, claimed.attempts)
-        keys, args = claim_call(claimed, expect_attempts, lease, self._lease_ttl_s, self._ttl_s)
-        return Advance(int(self._patiently(lambda: self._claim(keys=keys, args=args))))
+                return Claim(ClaimOutcome.RUN, claimed)
+            if outcome == Claimed.EXHAUSTED:
+                exhausted = _exhausted(job, max_attempts)
+                assert exhausted is not None
+                written = self._write(exhausted, expect_attempts=attempts)
+                if written == Advance.WRITTEN:
+                    return Claim(ClaimOutcome.EXHAUSTED, exhausted)
+                continue  # someone wrote in between: decide again
+            # LEASED or REJOINING: another attempt runs it, or may take it back.
+            if abandon():
+                return Claim(ClaimOutcome.ABANDONED, job)
+            if time.time() >= wait_until:
+                return Claim(ClaimOutcome.ELSEWHERE, job)
+            time.sleep(LEASE_POLL_S)
 
     def release(self, job: JobPublic) -> bool:
         """Give a running attempt back (worker draining): ``queued``, the attempt uncounted,

@@ -141,6 +141,9 @@ class EngineAdapters:
         self._refused: dict[str, str] = {}  # digest -> the engine's refusal, oldest first
         self._gate = SlotGate(max_loras)
         self._listing = SharedQuestion(lambda: self._host.engine.list_loras())
+        # The engine's last answer, kept while nothing that could change it happened since.
+        self._known: set[int] | None = None
+        self._generation = 0
 
     def _id_for(self, digest: str) -> int:
         with self._guard:
@@ -162,13 +165,38 @@ class EngineAdapters:
     def registered(self, deadline_at: float | None = None) -> set[int]:
         """Adapter ids the engine holds right now (its own answer, not our bookkeeping).
 
-        Asked no earlier than this call; concurrent callers share one question to the engine.
-        Past ``deadline_at`` (unix time) waiting for the answer fails ``deadline_exceeded``.
+        The engine's set changes only when it is asked to load an adapter (``add_lora``, a pin,
+        or a request naming an adapter it does not hold, which it loads from its path): its
+        answer is kept until one of those happens (``changing``), and asked again after, no
+        earlier than this call; concurrent callers share one question to the engine. Past
+        ``deadline_at`` (unix time) waiting for the answer fails ``deadline_exceeded``.
         """
+        with self._guard:
+            known, generation = self._known, self._generation
+        if known is not None:
+            return known
         try:
-            return self._host.run(self._listing.ask(), remaining_s(deadline_at))
+            answer = self._host.run(self._listing.ask(), remaining_s(deadline_at))
         except TimeoutError:
             raise late("asked the engine which adapters it holds") from None
+        with self._guard:
+            if self._generation == generation:
+                self._known = answer
+        return answer
+
+    def changing(self) -> None:
+        """The engine's set of adapters may change now: forget its last answer."""
+        with self._guard:
+            self._generation += 1
+            self._known = None
+
+    def requesting(self, request: LoRARequest) -> None:
+        """A request for ``request``'s adapter is about to enter the engine, which loads the
+        adapter from its path if it dropped it (evicting another)."""
+        with self._guard:
+            known = self._known
+        if known is None or request.lora_int_id not in known:
+            self.changing()
 
     def observe(self, digest: str, registered: set[int]) -> Residency:
         """Residency of ``digest`` given the engine's ``registered`` ids (just asked)."""
@@ -253,8 +281,12 @@ class EngineAdapters:
             if running is not None:
                 self._host.check_serving()
                 running.in_engine = True
+            self.changing()
             try:
-                self._host.run(self._host.engine.add_lora(request), remaining_s(deadline_at))
+                try:
+                    self._host.run(self._host.engine.add_lora(request), remaining_s(deadline_at))
+                finally:
+                    self.changing()  # an answer given while it loaded may predate the load
                 if running is not None:
                     running.in_engine = False  # loaded: the engine survived this adapter
                 return
@@ -301,7 +333,10 @@ class EngineAdapters:
                 f"{self._max_loras}, already pinned {len(self._pinned)})"
             )
         resident = self.make_resident(alias, digest, LoadTimings(), self.registered())
-        self._host.run(self._host.engine.pin_lora(resident.request.lora_int_id))
+        try:
+            self._host.run(self._host.engine.pin_lora(resident.request.lora_int_id))
+        finally:
+            self.changing()
         self._pinned.add(resident.request.lora_int_id)
         capacity = self._max_loras - len(self._pinned)
 

@@ -280,6 +280,7 @@ class JobRunner:
         prompt_token_ids: list[int] = []
         token_ids: list[int] = []
         text: list[str] = []
+        self._adapters.requesting(lora)
         outputs = self._host.engine.generate(
             {"prompt": message.prompt}, params, request_id, lora_request=lora, **options
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from redis import Redis
 
 from contracts.job_records import (
@@ -10,6 +12,7 @@ from contracts.job_records import (
     CLAIM,
     RENEW,
     Advance,
+    Claimed,
     advance_call,
     append_call,
     claim_call,
@@ -18,7 +21,7 @@ from contracts.job_records import (
 )
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import DEADLINES, STREAM_END, job_key, lease_key, stream_key
-from tests.helpers import new_job
+from tests.helpers import job_record, new_job
 
 TTL_S = 60.0
 
@@ -33,12 +36,15 @@ def _queued(redis: Redis) -> JobPublic:
     return job
 
 
-def _claim(redis: Redis, job: JobPublic, worker: str) -> tuple[Advance, JobPublic]:
-    claimed = job.model_copy(
-        update={"status": JobStatus.RUNNING, "attempts": job.attempts + 1, "worker": worker}
+def _claim(
+    redis: Redis, job: JobPublic, worker: str, max_attempts: int = 3, rejoining: bool = False
+) -> tuple[Claimed, JobPublic]:
+    """The claim's outcome, and the job as its hash now shows it."""
+    keys, args = claim_call(
+        job.id, worker, datetime.now(tz=UTC), max_attempts, rejoining, TTL_S, 60
     )
-    keys, args = claim_call(claimed, job.attempts, lease_value(worker, claimed.attempts), TTL_S, 60)
-    return Advance(int(redis.register_script(CLAIM)(keys=keys, args=args))), claimed
+    outcome = Claimed(redis.register_script(CLAIM)(keys=keys, args=args)[0])
+    return outcome, job_record(redis, job.id)
 
 
 def _renew(redis: Redis, job: JobPublic, worker: str) -> bool:
@@ -56,10 +62,10 @@ def test_a_second_delivery_cannot_claim_while_the_first_attempt_holds_the_lease(
 ) -> None:
     job = _queued(redis)
     outcome, running = _claim(redis, job, "w1:1:a")
-    assert outcome == Advance.WRITTEN
+    assert outcome == Claimed.RUN
     assert redis.get(lease_key(job.id)) == "w1:1:a|1"
     # The same record, read by another worker: refused while the lease is held.
-    assert _claim(redis, job.model_copy(update={"attempts": 1}), "w2:2:b")[0] == Advance.LEASED
+    assert _claim(redis, job, "w2:2:b")[0] == Claimed.LEASED
     assert redis.hget(job_key(job.id), "attempts") == "1"
     assert _renew(redis, running, "w1:1:a")
 
@@ -77,7 +83,7 @@ def test_a_lease_lost_to_an_outage_is_taken_back_by_its_attempt_unless_claimed(
     # Now another attempt claims it (the lease expired and nobody took it back in time).
     redis.delete(lease_key(job.id))
     outcome, second = _claim(redis, running, "w2:2:b")
-    assert outcome == Advance.WRITTEN
+    assert outcome == Claimed.RUN
     assert not _renew(redis, running, "w1:1:a")  # lost: the first attempt must stop
     assert not _append(redis, running, "w1:1:a", "lo")  # and its text is refused
     assert _append(redis, second, "w2:2:b", "Hello")
@@ -101,7 +107,7 @@ def test_queued_again_or_finished_drops_the_lease_and_the_deadline_entry(redis: 
     assert not redis.exists(lease_key(job.id))
     assert redis.zscore(DEADLINES, job.id) is not None  # still admitted, still due
     outcome, running = _claim(redis, released, "w2:2:b")
-    assert outcome == Advance.WRITTEN and running.attempts == 1
+    assert outcome == Claimed.RUN and running.attempts == 1
     done = running.model_copy(update={"status": JobStatus.FAILED})
     keys, args = advance_call(done, 60, expect_attempts=1)
     assert Advance(int(redis.register_script(ADVANCE)(keys=keys, args=args))) == Advance.WRITTEN
@@ -137,3 +143,51 @@ def test_the_terminal_write_ends_the_stream_with_a_marker_and_creates_none(
     keys, args = advance_call(cancelled, 60)
     assert Advance(int(redis.register_script(ADVANCE)(keys=keys, args=args))) == Advance.WRITTEN
     assert not redis.exists(stream_key(silent.id))
+
+
+def test_a_claim_writes_beside_the_record_and_the_next_write_takes_it_in(redis: Redis) -> None:
+    """A claim writes the status, count and claim beside the record, not the record itself;
+    readers see the running job; the next write of the record replaces them."""
+    job = _queued(redis)
+    outcome, running = _claim(redis, job, "w1:1:a")
+    assert outcome == Claimed.RUN
+    assert (running.status, running.attempts, running.worker) == (JobStatus.RUNNING, 1, "w1:1:a")
+    assert running.started_at is not None
+    assert redis.hget(job_key(job.id), "record") == job.model_dump_json()  # untouched
+    done = running.model_copy(update={"status": JobStatus.SUCCEEDED})
+    keys, args = advance_call(done, 60, expect_attempts=1)
+    assert Advance(int(redis.register_script(ADVANCE)(keys=keys, args=args))) == Advance.WRITTEN
+    assert redis.hmget(job_key(job.id), "started_at", "worker") == [None, None]
+    finished = job_record(redis, job.id)
+    assert (finished.status, finished.worker, finished.started_at) == (
+        JobStatus.SUCCEEDED,
+        "w1:1:a",
+        running.started_at,
+    )
+
+
+def test_a_job_started_or_killed_under_as_often_as_it_may_is_not_claimed(redis: Redis) -> None:
+    job = _queued(redis)
+    for worker in ("w1:1:a", "w2:2:b"):
+        assert _claim(redis, job, worker, max_attempts=2)[0] == Claimed.RUN
+        redis.delete(lease_key(job.id))  # its worker died; the lease ran out
+    assert _claim(redis, job, "w3:3:c", max_attempts=2)[0] == Claimed.EXHAUSTED
+    assert redis.hget(job_key(job.id), "attempts") == "2"  # nothing counted or claimed
+
+    killer = new_job(engine_failures=2)
+    redis.hset(
+        job_key(killer.id),
+        mapping={"status": "queued", "record": killer.model_dump_json(), "attempts": 0},
+    )
+    assert _claim(redis, killer, "w1:1:a", max_attempts=2)[0] == Claimed.EXHAUSTED
+
+
+def test_a_rejoining_worker_leaves_a_running_job_to_the_attempt_that_may_take_it_back(
+    redis: Redis,
+) -> None:
+    job = _queued(redis)
+    assert _claim(redis, job, "w1:1:a")[0] == Claimed.RUN
+    redis.delete(lease_key(job.id))  # expired while Redis was away
+    assert _claim(redis, job, "w2:2:b", rejoining=True)[0] == Claimed.REJOINING
+    assert _claim(redis, job, "w2:2:b")[0] == Claimed.RUN  # past the grace: claimed again
+    assert redis.get(lease_key(job.id)) == "w2:2:b|2"

@@ -17,7 +17,7 @@ import httpx
 from redis import Redis
 
 from contracts.batches import batch_public
-from contracts.jobs import JobPublic
+from contracts.job_records import RECORD_FIELDS, job_of
 from contracts.keys import batch_key, job_key, webhook_secrets_key
 from contracts.webhooks import (
     DeliveryState,
@@ -127,10 +127,9 @@ class Deliverer:
             data = batch_public(fields).model_dump(mode="json")
             kind = "batch.completed"
         else:
-            raw = self._redis.hget(job_key(event.subject), "record")
-            if raw is None:
+            job = job_of(self._redis.hmget(job_key(event.subject), RECORD_FIELDS))  # type: ignore[arg-type]
+            if job is None:
                 return None
-            job = JobPublic.model_validate_json(str(raw))
             data = job.model_dump(mode="json", exclude={"webhook_delivery"})
             kind = f"job.{job.status.value}"
         envelope = {

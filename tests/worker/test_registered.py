@@ -1,0 +1,88 @@
+"""When a worker asks its engine which adapters it holds (pure logic: the engine host is a
+stand-in that answers ``list_loras`` and counts the questions).
+
+Every job used to ask (a round trip through the engine core); now the answer is kept until
+something that could change it happened: a load, a pin, or a request naming an adapter
+outside the answer (the engine loads that one from its path, evicting another).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+from vllm.lora.request import LoRARequest
+
+from worker.residency import EngineAdapters
+
+
+class Engine:
+    def __init__(self) -> None:
+        self.held = {1, 2}
+        self.questions = 0
+        self.answering: threading.Event | None = None  # set: hold the answer until released
+        self.asked = threading.Event()
+
+    async def list_loras(self) -> set[int]:
+        self.questions += 1
+        answer = set(self.held)
+        self.asked.set()
+        if self.answering is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.answering.wait)
+        return answer
+
+
+class Host:
+    def __init__(self) -> None:
+        self.engine = Engine()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
+        return asyncio.run(coro)
+
+
+def _adapters() -> tuple[EngineAdapters, Engine]:
+    host = Host()
+    return EngineAdapters(host, cache=None, max_loras=4), host.engine  # type: ignore[arg-type]
+
+
+def _request(lora_id: int) -> LoRARequest:
+    return LoRARequest(lora_name=f"a{lora_id}@0000", lora_int_id=lora_id, lora_path="/nowhere")
+
+
+def test_the_answer_is_kept_while_nothing_could_change_it() -> None:
+    adapters, engine = _adapters()
+    assert adapters.registered() == {1, 2}
+    adapters.requesting(_request(2))  # held: the engine loads nothing for it
+    assert adapters.registered() == {1, 2}
+    assert engine.questions == 1
+
+
+def test_a_load_or_a_request_for_an_adapter_outside_the_answer_asks_again() -> None:
+    adapters, engine = _adapters()
+    adapters.registered()
+    engine.held = {2, 3}  # the engine loads 3 for a request naming it, dropping 1
+    adapters.requesting(_request(3))
+    assert adapters.registered() == {2, 3}
+    adapters.changing()  # add_lora or a pin
+    engine.held = {3, 4}
+    assert adapters.registered() == {3, 4}
+    assert engine.questions == 3
+
+
+def test_an_answer_that_may_predate_a_change_is_used_once_and_not_kept() -> None:
+    adapters, engine = _adapters()
+    engine.answering = threading.Event()
+    answers: list[set[int]] = []
+    asking = threading.Thread(target=lambda: answers.append(adapters.registered()))
+    asking.start()
+    assert engine.asked.wait(10)
+    adapters.changing()  # a load starts while the question is on its way
+    engine.answering.set()
+    asking.join(10)
+    assert answers == [{1, 2}]
+    engine.answering = None
+    engine.held = {1, 2, 5}
+    assert adapters.registered() == {1, 2, 5}  # asked again, not the earlier answer
+    assert engine.questions == 2
