@@ -45,6 +45,7 @@ from contracts.keys import (
     STREAM_END,
     WEBHOOKS_DUE,
     batch_key,
+    held_key,
     job_key,
     lease_key,
     stream_key,
@@ -115,9 +116,11 @@ return 1
 
 CLAIM = f"""
 local function terminal(s) return {_TERMINAL_LUA} end
--- KEYS: 1 job, 2 lease. ARGV: 1 worker id, 2 lease ttl (ms), 3 record ttl (s), 4 max attempts,
--- 5 started at (ISO 8601), 6 '1' to leave a running job without a lease alone (rejoining).
+-- KEYS: 1 job, 2 lease, 3 the worker's held deliveries. ARGV: 1 worker id, 2 lease ttl (ms),
+-- 3 record ttl (s), 4 max attempts, 5 started at (ISO 8601), 6 '1' to leave a running job
+-- without a lease alone (rejoining), 7 the delivery's tag ('': none), 8 the job id.
 -- Returns {{outcome, record, attempts}}.
+if ARGV[7] ~= '' then redis.call('HSET', KEYS[3], ARGV[7], ARGV[8]) end
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {{'missing'}} end
 local record = redis.call('HGET', KEYS[1], 'record')
@@ -144,7 +147,9 @@ return {{'run', record, attempts}}
 its lease, or it may not start again (``exhausted``: too many attempts or engine deaths
 under it), it becomes ``running`` with the attempt counted and claimed (``started_at``,
 ``worker``: hash fields beside the record, see ``job_of``) and the lease is taken. The
-record is returned in every case, so the caller needs no read of its own."""
+record is returned in every case, so the caller needs no read of its own. The delivery is
+recorded among the worker's held ones first (``held_key``): whatever the claim decides, a
+worker that dies from here on has it handed back by a reaper."""
 
 
 class Claimed(StrEnum):
@@ -300,11 +305,13 @@ def claim_call(
     rejoining: bool,
     lease_ttl_s: float,
     ttl_s: int,
+    delivery: str = "",
 ) -> tuple[list[str], list[str | int]]:
     """``(keys, args)`` of ``CLAIM``: ``worker_id`` starts an attempt of ``job_id`` at
     ``started_at``, unless ``max_attempts`` were started (or engines died under it as often);
-    ``rejoining`` leaves a running job without a lease to the attempt that may take it back."""
-    keys = [job_key(job_id), lease_key(job_id)]
+    ``rejoining`` leaves a running job without a lease to the attempt that may take it back.
+    ``delivery`` is the broker's tag of the message being run (recorded as held)."""
+    keys = [job_key(job_id), lease_key(job_id), held_key(worker_id) if delivery else NO_KEY]
     args: list[str | int] = [
         worker_id,
         _ms(lease_ttl_s),
@@ -312,6 +319,8 @@ def claim_call(
         max_attempts,
         started_at.isoformat(),
         "1" if rejoining else "",
+        delivery,
+        job_id,
     ]
     return keys, args
 

@@ -26,6 +26,7 @@ IDENTITY_CHECKS = "lorafleet_identity_checks_total"
 JOB_DELIVERIES = "lorafleet_job_deliveries_total"
 ENGINE_FAILURES = "lorafleet_engine_failures_total"
 DEADLINE_BEYOND_VISIBILITY = "lorafleet_deadline_beyond_visibility_total"
+JOB_CPU = "lorafleet_job_cpu_seconds_total"
 
 OTHER = "other"
 """The ``adapter`` label of requests for aliases beyond the top K."""
@@ -51,5 +52,6 @@ ALL = frozenset(
         JOB_DELIVERIES,
         ENGINE_FAILURES,
         DEADLINE_BEYOND_VISIBILITY,
+        JOB_CPU,
     }
 )

@@ -453,8 +453,9 @@ async def admit_then_enqueue(
     the admission. If the caller is cancelled midway (its request bound ran out, its client
     went away) while the admission runs, the admission goes on out of the caller's way and is
     then withdrawn: a script that ran in Redis while its reply was still on the way must not
-    leave a record ``queued`` and ledger slots held behind a 503. Cancelled while publishing,
-    the publish is abandoned and the admission withdrawn at once. A message published before
+    leave a record ``queued`` and ledger slots held behind a 503; so must one whose reply was
+    lost to a timeout or a dropped connection. Cancelled while publishing, the publish is
+    abandoned and the admission withdrawn at once. A message published before
     the withdrawal finds no record and is dropped by the worker; an undo that cannot reach
     Redis leaves the record to the deadline sweeper and the ledger entry to its expiry.
     """
@@ -463,6 +464,12 @@ async def admit_then_enqueue(
         await asyncio.shield(admitted)
     except asyncio.CancelledError:
         _in_background(_undo_after(admitted, withdraw))
+        raise
+    except ApiError:
+        raise  # refused: nothing was written
+    except BaseException:
+        # Its reply lost (a timeout, a dropped connection): the script may have run.
+        _in_background(_undo_after(None, withdraw))
         raise
     try:
         await enqueue()

@@ -4,8 +4,10 @@ A delivery is recorded as soon as the consumer receives it (``lorafleet:held:<wo
 broker delivery tag -> task id) and cleared once its outcome is stored; if this worker dies,
 another worker's reaper hands everything recorded back to its queue (``worker.reaper``).
 The writes happen on a thread of their own, in order and pipelined, so the consumer thread
-never waits on Redis; what remains exposed is the moment between a message's receipt and its
-write (a few milliseconds: the writer gathers deliveries into one write), covered by the
+never waits on Redis. A job's claim records its delivery as well, in the same script
+(``contracts.job_records.CLAIM``), so a delivery that started running is always recorded;
+what remains exposed is a delivery received and not yet claimed, for the few milliseconds
+until the writer's next write (it gathers deliveries into one write), covered by the
 visibility timeout.
 """
 

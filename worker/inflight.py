@@ -8,6 +8,7 @@ vLLM aborts a request whose ``generate`` is cancelled, freeing its batch slot.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -19,9 +20,13 @@ from worker.errors import JobStopped, StopReason
 class Running:
     """One attempt of a job in flight in this process."""
 
-    def __init__(self, job_id: str, attempt: int) -> None:
+    def __init__(self, job_id: str, attempt: int, cpu_began: float | None = None) -> None:
         self.job_id = job_id
         self.attempt = attempt
+        # CPU time (``time.thread_time``) of the job's thread when its task began, and when
+        # the engine's result came back: the worker's own cost of starting and finishing it.
+        self.cpu_began = time.thread_time() if cpu_began is None else cpu_began
+        self.cpu_resumed: float | None = None
         # Set on the engine loop once the job's request is in the engine: if the engine dies
         # from then on, the job was generating under it.
         self.in_engine = False
@@ -68,8 +73,10 @@ class InFlight:
         self._jobs: dict[str, Running] = {}
 
     @contextmanager
-    def track(self, job_id: str, attempt: int) -> Iterator[Running]:
-        running = Running(job_id, attempt)
+    def track(
+        self, job_id: str, attempt: int, cpu_began: float | None = None
+    ) -> Iterator[Running]:
+        running = Running(job_id, attempt, cpu_began)
         with self._lock:
             self._jobs[job_id] = running
         try:

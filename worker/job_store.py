@@ -15,9 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from redis import Redis
+from redis.commands.core import Script
 from redis.exceptions import ConnectionError, TimeoutError
 
 from contracts.errors import ErrorBody, ErrorCode
@@ -33,6 +34,7 @@ from contracts.job_records import (
 )
 from contracts.jobs import JobPublic, JobResult, JobStatus, ResultMetadata
 from contracts.keys import job_key
+from worker.script_batch import ScriptBatch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,6 +64,7 @@ class JobStore:
 
     Redis restarting must not lose an outcome: reads and writes are retried with backoff for
     up to ``outage_s`` before the error propagates (and the job is left to redelivery).
+    With a ``batch``, the scripts go to Redis with other threads' (``worker.script_batch``).
     """
 
     def __init__(
@@ -71,8 +74,10 @@ class JobStore:
         worker_id: str = "",
         lease_ttl_s: float = 60.0,
         outage_s: float = 60.0,
+        batch: ScriptBatch | None = None,
     ) -> None:
         self._redis = redis
+        self._batch = batch
         self._ttl_s = ttl_s
         self._worker_id = worker_id
         self._lease_ttl_s = lease_ttl_s
@@ -103,6 +108,11 @@ class JobStore:
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
+    def _run(self, script: Script, keys: list[str], args: list[str | int]) -> Any:
+        if self._batch is None:
+            return script(keys=keys, args=args)
+        return self._batch.call(script, keys, args)
+
     def get(self, job_id: str) -> JobPublic | None:
         return job_of(self._patiently(lambda: self._redis.hmget(job_key(job_id), RECORD_FIELDS)))
 
@@ -115,7 +125,9 @@ class JobStore:
 
     def _write(self, job: JobPublic, expect_attempts: int | None = None) -> Advance:
         keys, args = advance_call(job, self._ttl_s, expect_attempts)
-        return Advance(int(self._patiently(lambda: self._advance(keys=keys, args=args))))
+        return Advance(
+            int(self._patiently(functools.partial(self._run, self._advance, keys, args)))
+        )
 
     def claim(
         self,
@@ -124,6 +136,7 @@ class JobStore:
         wait_until: float,
         abandon: Callable[[], bool],
         rejoin_s: float,
+        delivery: str = "",
     ) -> Claim:
         """Start an attempt: ``running`` with the attempt counted and the lease taken, unless
         the job must not run here. One round trip when it runs (``CLAIM``).
@@ -134,7 +147,8 @@ class JobStore:
         reconnect handed the message back while that attempt lived) until the lease ends,
         ``wait_until`` (unix time) passes, or ``abandon()`` says to stop. Right after a Redis
         outage (within ``rejoin_s``), a running job without a lease is given that long for its
-        attempt to take its lease back before it is claimed again.
+        attempt to take its lease back before it is claimed again. ``delivery`` (the message's
+        broker tag) is recorded as held by this worker in the same step.
         """
         while True:
             started = _now()
@@ -146,8 +160,9 @@ class JobStore:
                 self.outage_within(rejoin_s),
                 self._lease_ttl_s,
                 self._ttl_s,
+                delivery,
             )
-            reply = self._patiently(functools.partial(self._claim, keys=keys, args=args))
+            reply = self._patiently(functools.partial(self._run, self._claim, keys, args))
             outcome = Claimed(reply[0])
             if outcome == Claimed.MISSING:
                 return Claim(ClaimOutcome.MISSING, None)

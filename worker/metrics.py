@@ -70,6 +70,13 @@ REGISTRY_RECORDS_INVALID = Counter(
 ENGINE_FAILURES = Counter(
     names.ENGINE_FAILURES, "Times this worker's engine failed (the worker then exits)."
 )
+JOB_CPU = Counter(
+    names.JOB_CPU,
+    "CPU seconds of the worker's own handling of the jobs it ran, by phase: start (task "
+    "body to engine submission: message, claim, residency) and finish (engine result to "
+    "stored outcome). Celery's receipt and ack and the engine's frontend are not in it.",
+    ["phase"],
+)
 DEADLINE_BEYOND_VISIBILITY = Counter(
     names.DEADLINE_BEYOND_VISIBILITY,
     "Jobs whose deadline outlasts this worker's visibility timeout (raise the timeout).",

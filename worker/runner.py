@@ -199,12 +199,14 @@ class JobRunner:
     def _generate_unless_stopped(
         self, message: JobMessage, resident: Resident, running: Running, last_chance: bool
     ) -> Generation:
+        metrics.JOB_CPU.labels("start").inc(time.thread_time() - running.cpu_began)
         future = self._host.submit(
             self._generate_by_deadline(message, resident, running, last_chance)
         )
         with running.generating(future):
             try:
                 generation = self._host.result(future)
+                running.cpu_resumed = time.thread_time()
             except (concurrent.futures.CancelledError, asyncio.CancelledError):
                 self._deltas.discard(message.job_id, running.attempt)
                 running.check()  # raises JobStopped: the only other reason it is cancelled

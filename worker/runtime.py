@@ -45,6 +45,7 @@ from worker.reaper import Reaper
 from worker.registry import preload_sets
 from worker.residency import EngineAdapters
 from worker.runner import JobRunner
+from worker.script_batch import ScriptBatch
 from worker.streams import DeltaPublisher
 from worker.sweeper import DeadlineSweeper
 from worker.watchdog import EngineWatch
@@ -98,7 +99,14 @@ class WorkerRuntime:
         self.redis = sync_client(
             settings.redis_url, settings.redis_max_connections, decode_responses=True
         )
-        self.jobs = JobStore(self.redis, settings.job_ttl_s, self.worker_id, settings.lease_ttl_s)
+        self.scripts = ScriptBatch(self.redis)
+        self.jobs = JobStore(
+            self.redis,
+            settings.job_ttl_s,
+            self.worker_id,
+            settings.lease_ttl_s,
+            batch=self.scripts,
+        )
         self.cache = AdapterCache(
             settings.cache_dir,
             s3_client(settings),
@@ -160,6 +168,7 @@ class WorkerRuntime:
 
     def start(self) -> None:
         """Check the slot budget, start the engine, preload hot and warm adapters."""
+        self.scripts.start()
         self.held.start()
         self.deltas.start()
         hot, warm = preload_sets(self.redis, self.base_model.digest)
@@ -391,6 +400,7 @@ class WorkerRuntime:
         self.reaper.close()
         self.deltas.close()
         self.held.close()
+        self.scripts.close()
         try:
             # Anything still held was handed back by the drain or by kombu at shutdown.
             self.redis.delete(worker_key(self.worker_id), held_key(self.worker_id))

@@ -10,6 +10,7 @@ running waits for that attempt's lease instead of running it twice.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, NoReturn
 
 import sentry_sdk
@@ -37,7 +38,7 @@ def run_job(payload: dict[str, Any]) -> None:
     # another worker's reaper puts the message back on its queue.
     delivery = str((run_job.request.delivery_info or {}).get("delivery_tag", ""))
     try:
-        _run(rt, payload)
+        _run(rt, payload, delivery)
     except (RedisError, StoreUnreachable) as exc:
         # Redis stayed unreachable longer than the job store waits: the outcome could not be
         # stored. Back to the queue rather than acknowledged, so the job is not lost. (Only
@@ -56,7 +57,8 @@ def _hand_back(rt: WorkerRuntime, why: str) -> NoReturn:
     raise Reject(why, requeue=True)
 
 
-def _run(rt: WorkerRuntime, payload: dict[str, Any]) -> None:
+def _run(rt: WorkerRuntime, payload: dict[str, Any], delivery: str) -> None:
+    began = time.thread_time()
     try:
         message = JobMessage.model_validate(payload)
     except ValidationError as exc:
@@ -90,6 +92,7 @@ def _run(rt: WorkerRuntime, payload: dict[str, Any]) -> None:
         wait_until=message.deadline_at + rt.settings.sweep_grace_s,
         abandon=lambda: rt.failed,
         rejoin_s=rt.settings.lease_rejoin_s,
+        delivery=delivery,
     )
     metrics.DELIVERIES.labels(claim.outcome.value).inc()
     if claim.outcome == ClaimOutcome.EXHAUSTED:
@@ -99,13 +102,13 @@ def _run(rt: WorkerRuntime, payload: dict[str, Any]) -> None:
     if claim.outcome != ClaimOutcome.RUN or claim.job is None:
         log.info("job %s not run: %s", message.job_id, claim.outcome.value)
         return
-    _attempt(rt, message, claim.job)
+    _attempt(rt, message, claim.job, began)
 
 
-def _attempt(rt: WorkerRuntime, message: JobMessage, running: JobPublic) -> None:
+def _attempt(rt: WorkerRuntime, message: JobMessage, running: JobPublic, began: float) -> None:
     """Run the attempt just claimed and store its outcome (or hand the job back)."""
     last_chance = 0 < running.engine_failures >= rt.settings.max_attempts - 1
-    with rt.inflight.track(message.job_id, running.attempts) as handle:
+    with rt.inflight.track(message.job_id, running.attempts, began) as handle:
         try:
             result, metadata = rt.runner.run(message, handle, last_chance)
         except JobStopped as stopped:
@@ -150,3 +153,5 @@ def _attempt(rt: WorkerRuntime, message: JobMessage, running: JobPublic) -> None
             return
     if rt.jobs.succeed(running, result, metadata):
         metrics.job_finished(message, "succeeded", None, metadata)
+    if handle.cpu_resumed is not None:
+        metrics.JOB_CPU.labels("finish").inc(time.thread_time() - handle.cpu_resumed)

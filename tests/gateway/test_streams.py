@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from concurrent.futures import Future
 
 import pytest
@@ -46,6 +47,7 @@ class Hub:
 
     def __init__(self, url: str, max_connections: int = 8, recheck_s: float = 600) -> None:
         self._url, self._max, self._recheck_s = url, max_connections, recheck_s
+        self.name = f"hub-{uuid.uuid4().hex[:8]}"
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -56,9 +58,15 @@ class Hub:
 
     async def _start(self) -> None:
         self.pool = async_client(self._url, self._max, pool_timeout_s=5, decode_responses=True)
-        self._events = AsyncRedis.from_url(self._url, decode_responses=True)
+        # Named, so that a test can cut exactly these connections in a shared Redis.
+        self._events = AsyncRedis.from_url(
+            self._url, decode_responses=True, client_name=f"{self.name}-events"
+        )
         self._reader = AsyncRedis.from_url(
-            self._url, decode_responses=True, single_connection_client=True
+            self._url,
+            decode_responses=True,
+            single_connection_client=True,
+            client_name=f"{self.name}-reader",
         )
         self.waiter = JobWaiter(self._events, recheck_s=self._recheck_s)
         self.waiter.start()
@@ -84,6 +92,15 @@ class Hub:
         asyncio.run_coroutine_threadsafe(stop(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(30)
+
+
+def _kill(redis: Redis, name: str) -> int:
+    """Close the connections named ``name``; how many there were."""
+    return sum(
+        int(redis.client_kill_filter(_id=client["id"]))
+        for client in redis.client_list()
+        if client.get("name") == name
+    )
 
 
 def _running(redis: Redis) -> JobPublic:
@@ -173,11 +190,7 @@ def test_the_shared_read_resumes_after_its_connection_is_lost_without_loss_or_re
         time.sleep(0.5)
         _write(redis, job, "one ")
         time.sleep(0.3)
-        killed = 0
-        for client in redis.client_list():
-            if client["cmd"] in ("xread", "client|id") and client["id"] != str(redis.client_id()):
-                killed += int(redis.client_kill_filter(_id=client["id"]))
-        assert killed == 1  # the hub's reader, blocked in its shared XREAD
+        assert _kill(redis, f"{hub.name}-reader") == 1  # blocked in its shared XREAD
         _write(redis, job, "two ", "three")
         _finish(redis, job)
         items = reading.result(timeout=120)
@@ -197,12 +210,7 @@ def test_a_long_poll_learns_of_an_end_published_while_its_subscription_was_down(
             hub.waiter.wait(hub.pool, job.id, job.tenant, timeout_s=120), hub.loop
         )
         time.sleep(0.3)
-        killed = sum(
-            int(redis.client_kill_filter(_id=client["id"]))
-            for client in redis.client_list()
-            if client["cmd"] == "subscribe"
-        )
-        assert killed == 1
+        assert _kill(redis, f"{hub.name}-events") == 1  # its subscription
         _finish(redis, job)  # published while the waiter reconnects (it pauses 1 s first)
         finished = waiting.result(timeout=180)
     assert finished is not None and finished.status == JobStatus.SUCCEEDED

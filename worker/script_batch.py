@@ -1,0 +1,106 @@
+"""Script calls of many job threads, sent to Redis together.
+
+Every job makes its claim and its outcome write through a Lua script. Made one round trip
+each from each job's own thread, they cost more Python than the rest of the job's handling
+(packing, a socket round trip, parsing, the GIL handed back and forth), measured at ~1.1 ms
+of CPU per job. Here one thread sends every call waiting at that moment in one pipeline,
+and the calling threads wait for their own replies: under load, one round trip serves many
+jobs; alone, a call costs a thread hand-off more than before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis import Redis
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
+
+from worker.background import Background
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Call:
+    script: Script
+    keys: Sequence[Any]
+    args: Sequence[Any]
+    reply: Future[Any] = field(default_factory=Future)
+
+
+class ScriptBatch:
+    """Runs ``Script`` calls from any thread; ``start`` it once, ``close`` it at shutdown."""
+
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+        self._cond = threading.Condition()
+        self._pending: list[_Call] = []
+        self._sender = Background("script-batch", self._run, join_timeout_s=5)
+
+    def start(self) -> None:
+        self._sender.start()
+
+    def close(self) -> None:
+        with self._cond:
+            self._sender.stopping.set()
+            self._cond.notify_all()
+        self._sender.close()
+
+    def call(self, script: Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """``script(keys, args)``'s reply, or the error Redis gave it (a connection error
+        for the whole batch it went in)."""
+        call = _Call(script, keys, args)
+        with self._cond:
+            if self._sender.stopping.is_set():
+                raise RuntimeError("the script batch is closed")
+            self._pending.append(call)
+            self._cond.notify()
+        return call.reply.result()
+
+    def _run(self, stopping: threading.Event) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not stopping.is_set():
+                    self._cond.wait()
+                batch, self._pending = self._pending, []
+            if not batch:
+                return
+            try:
+                self._send(batch)
+            except Exception as exc:  # the connection, or anything else: every caller hears
+                for call in batch:
+                    if not call.reply.done():
+                        call.reply.set_exception(exc)
+
+    def _send(self, batch: list[_Call]) -> None:
+        replies = self._pipeline(batch)
+        unknown = [call for call, reply in zip(batch, replies, strict=True) if _noscript(reply)]
+        if unknown:
+            # A restarted (or another) server: load what it lacks, then send those again.
+            for script in {call.script.sha: call.script for call in unknown}.values():
+                script.sha = self._redis.script_load(script.script)
+            again = dict(zip(map(id, unknown), self._pipeline(unknown), strict=True))
+            replies = [
+                again.get(id(call), reply) for call, reply in zip(batch, replies, strict=True)
+            ]
+        for call, reply in zip(batch, replies, strict=True):
+            if isinstance(reply, Exception):
+                call.reply.set_exception(reply)
+            else:
+                call.reply.set_result(reply)
+
+    def _pipeline(self, calls: list[_Call]) -> list[Any]:
+        pipe = self._redis.pipeline(transaction=False)
+        for call in calls:
+            pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+        return pipe.execute(raise_on_error=False)
+
+
+def _noscript(reply: Any) -> bool:
+    return isinstance(reply, NoScriptError)
