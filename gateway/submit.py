@@ -87,7 +87,6 @@ class Prepared:
 @dataclass(frozen=True)
 class Admitted:
     job: JobPublic
-    tenant: TenantRecord
     replayed: bool
     """True when an ``Idempotency-Key`` matched an earlier request: nothing new was enqueued."""
 
@@ -189,7 +188,7 @@ class Submitter:
                 with contextlib.suppress(RedisError, OSError):
                     await asyncio.shield(keys.release())
             raise
-        return Admitted(job=job, tenant=tenant, replayed=False), keys
+        return Admitted(job=job, replayed=False), keys
 
     async def prepare(self, request: Submission, resolved: Resolved) -> Prepared:
         """Everything decided before admission, for a request whose adapter ``resolve``d:
@@ -420,7 +419,7 @@ class Submitter:
                 f"This Idempotency-Key belongs to job {reservation.job_id}, whose record has "
                 "expired. Use a new key.",
             )
-        return Admitted(job=job, tenant=tenant, replayed=True)
+        return Admitted(job=job, replayed=True)
 
 
 def _too_long(tokens: str, max_tokens: int, context: int) -> ApiError:
