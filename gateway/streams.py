@@ -39,9 +39,10 @@ from gateway.waiter import JobWaiter
 
 log = logging.getLogger(__name__)
 
-BLOCK_MS = 1000
+BLOCK_MS = 250
 """Longest one shared read blocks. Followers added meanwhile interrupt it, so this bounds only
-the rare follower whose interruption arrived just before the read was sent."""
+the wait of a follower whose interruption arrived just before the read was sent (or a Redis
+that refuses ``CLIENT UNBLOCK``): its first text comes at most this late."""
 
 BATCH = 512
 """Entries taken per stream per read."""
