@@ -1,14 +1,14 @@
 """What one Redis primary carries: the per-job command mix, replayed by many clients at once.
 
 Each job's Redis traffic is replayed as the services send it, round trip by round trip, on
-connections of their own (gateway, gateway's kombu producer, worker, worker's kombu consumer)
-plus subscribers of the job-events channel (one per gateway process): the project's own Lua
-scripts (``contracts.admission.ADMIT`` / ``ADMIT_BATCH``, ``contracts.job_records.CLAIM`` and
-``ADVANCE``) with the arguments its code builds (``admit_call``, ``claim_call``,
-``advance_call`` on real ``JobPublic`` records, with a result), the kombu envelope Celery
-really builds for a ``JobMessage``, kombu's own ``BRPOP`` / unacked bookkeeping / ack, and
-the reads around them (auth, adapter resolution, long-poll); ``redis_mix.py`` writes them
-down. Two mixes:
+connections of their own (gateway, gateway to a broker of its own, worker, worker's kombu
+consumer) plus subscribers of the job-events channel (one per gateway process): the project's
+own Lua scripts (``gateway.access.ACCESS``, ``contracts.admission.ADMIT`` / ``ADMIT_BATCH``
+with the task messages, ``contracts.job_records.CLAIM`` and ``ADVANCE``) with the arguments
+its code builds (``admit_call``, ``claim_call``, ``advance_call`` on real ``JobPublic``
+records, with a result), the task message the gateway writes (``gateway.queue.job_message``),
+kombu's own ``BRPOP`` / unacked bookkeeping / ack, the held-delivery writes, and the reads
+around them (long-poll, batch results); ``redis_mix.py`` writes them down. Two mixes:
 
 - ``jobs``: ``POST /v1/jobs``, the worker's run, one long-poll ``GET`` (as
   ``benchmarks/redis_cost.py`` measures it);
@@ -17,12 +17,16 @@ down. Two mixes:
 
 ``--lanes`` clients each replay job after job (or batch after batch) for ``--seconds``; the
 request bytes are built once per job from a template (the job's id spliced in), so the client
-stays cheap. Reported: jobs/s, the server's own CPU (``INFO cpu``, main thread), CPU per job,
-and the jobs/s one core of the server carries at that cost, which is what a primary sustains
-when the clients are not the limit (on a 2-core box they are: client and server share it).
-``--part data`` or ``--part broker`` replays only the services' own commands or only kombu's:
-what each of two servers carries when the broker has its own (``LORAFLEET_BROKER_URL``).
-``--cost-json`` compares the replayed mix with one measured by ``redis_cost.py``.
+stays cheap. ``--wave N``: the worker receives N jobs together, and their claims, outcome
+writes and held-delivery writes share round trips as a busy worker's do (``ScriptBatch``,
+``HeldDeliveries``); 1 (the default) shares none, a lightly loaded worker. Reported: jobs/s,
+the server's own CPU (``INFO cpu``, main thread), CPU per job, and the jobs/s one core of the
+server carries at that cost, which is what a primary sustains when the clients are not the
+limit (on a 2-core box they are: client and server share it). ``--part all`` is one Redis for
+everything (the default deployment: ``ADMIT`` pushes the message); ``--part data`` or
+``--part broker`` is what each of two servers carries when the broker has its own
+(``LORAFLEET_BROKER_URL``: ``ADMIT`` pushes nothing, the gateway pipelines the messages to the
+broker). ``--cost-json`` compares the replayed mix with one measured by ``redis_cost.py``.
 
     .venv/bin/python benchmarks/redis_capacity.py [--seconds 20] [--lanes 64] [--no-aof]
     .venv/bin/python benchmarks/redis_capacity.py --redis-url redis://host:6379/0  # a real one
@@ -259,9 +263,9 @@ def results_table(results: list[dict[str, Any]], lanes: int) -> Table:
 
 
 def check_table(result: dict[str, Any], measured: dict[str, Any]) -> Table:
-    """Commands per job by name: replayed here against measured end to end."""
+    """Commands per job by name, and round trips: replayed here against measured end to end."""
     table = Table(
-        title=f"{result['mix']}: replayed vs measured (redis_cost.py), commands/job",
+        title=f"{result['mix']}: replayed vs measured (redis_cost.py), per job",
         title_justify="left",
     )
     for column in ("command", "replayed", "measured"):
@@ -280,6 +284,8 @@ def check_table(result: dict[str, Any], measured: dict[str, Any]) -> Table:
         f"{measured['server_commands']:.1f}",
         style="bold",
     )
+    trips = sum(tap["round_trips"] for side in measured["sides"].values() for tap in side.values())
+    table.add_row("round trips", f"{result['round_trips_per_job']:.2f}", f"{trips:.2f}")
     return table
 
 
@@ -298,10 +304,10 @@ def measure(args: argparse.Namespace, console: Console) -> tuple[list[dict[str, 
         url = args.redis_url or stack.enter_context(private_server(aof=not args.no_aof))
         redis = Redis.from_url(url)
         load_scripts(redis)
-        fixture = Fixture(redis, url)
+        fixture = Fixture(redis)
         results = []
         for kind, part in itertools.product(args.mix or ["jobs", "batch"], args.part or ["all"]):
-            mix = Mix(fixture, kind, args.batch_size, part)
+            mix = Mix(fixture, kind, args.batch_size, part, args.wave)
             mix.check(redis)
             console.print(f"replaying {mix.name}: {args.lanes} clients, {args.seconds:g} s")
             result = asyncio.run(replay(redis, mix, args))
@@ -325,12 +331,15 @@ def main() -> None:
     parser.add_argument("--lanes", type=int, default=64, help="concurrent clients")
     parser.add_argument("--subscribers", type=int, default=2, help="gateway processes listening")
     parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument(
+        "--wave", type=int, default=1, help="jobs a worker receives together (shared writes)"
+    )
     parser.add_argument("--mix", choices=("jobs", "batch"), action="append", help="default: both")
     parser.add_argument(
         "--part",
         choices=tuple(PARTS),
         action="append",
-        help="replay only the data (services') or the broker (kombu's) commands; default: all",
+        help="all: one Redis; data, broker: each server's part when the broker is apart",
     )
     parser.add_argument("--no-aof", action="store_true", help="private server without AOF")
     parser.add_argument("--redis-url", help="a scratch server to use instead (left with records)")

@@ -5,9 +5,13 @@ the webhook worker started as the Procfile says, except that each talks to Redis
 counting proxies of its own (``redis_proxy.Tap``): one for its ``LORAFLEET_REDIS_URL`` (the
 service's own commands) and one for its ``LORAFLEET_BROKER_URL`` (Celery's kombu transport).
 Every side is thus counted apart: round trips, top-level commands by name, script calls by
-script. The server's ``INFO commandstats`` counts every command it ran, also those run inside
-Lua scripts; the taps see only what clients sent, so inside scripts = commandstats minus the
-taps' top-level counts, command by command (no ``MONITOR`` needed).
+script. The gateway has no Celery producer: it is given its ``LORAFLEET_REDIS_URL`` tap as its
+broker too, so it sees one Redis, as deployed by default, and its admission script pushes the
+task messages (``gateway.queue.JobQueues.inline``); with ``--broker-apart`` it gets a broker
+tap of its own and pipelines the messages there after the admission. The server's ``INFO
+commandstats`` counts every command it ran, also those run inside Lua scripts; the taps see
+only what clients sent, so inside scripts = commandstats minus the taps' top-level counts,
+command by command (no ``MONITOR`` needed).
 
 Each way a job comes in runs ``--jobs`` jobs at ``--concurrency`` clients (after one warm-up
 wave, so scripts are loaded and connection pools grown): the jobs API (``POST /v1/jobs`` then
@@ -20,10 +24,12 @@ window and subtracted at its per-second rate from every window, which ends ``--s
 after the last answer (acks and bookkeeping that follow the answer are counted).
 
     .venv/bin/python benchmarks/redis_cost.py [--jobs 200] [--concurrency 16] [--json out.json]
+    .venv/bin/python benchmarks/redis_cost.py --jobs 20 --batch-size 20 --idle-s 10 \
+        --only "jobs API + long" --only batch                  # a quick check that it runs
 
 Depends only on the gateway's HTTP API, on Redis, and on the local stack that starts the
 Procfile's processes; so it measures the code before and after a change alike. Tenant limits
-and the gateway's Redis bound are raised for the run (they change no command, only refusals).
+and the gateway's Redis bounds are raised for the run (they change no command, only refusals).
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ NO_REFUSALS = {
     "LORAFLEET_TENANT_BURST": "1000000",
     "LORAFLEET_TENANT_MAX_CONCURRENT": "1000000",
     "LORAFLEET_REDIS_TIMEOUT_S": "30",
+    "LORAFLEET_REQUEST_TIMEOUT_S": "60",
 }
 OURS = {"info"}  # what this script sends the server directly (not through a tap)
 
@@ -216,14 +223,18 @@ def start_service(stack: LocalStack, side: str, env: dict[str, str]) -> Child:
     return child
 
 
-def start_services(stack: LocalStack, taps: Taps, children: list[Child]) -> str:
+def start_services(
+    stack: LocalStack, taps: Taps, children: list[Child], broker_apart: bool = False
+) -> str:
     """Gateway, worker and webhook worker, each through its own taps (added to ``children``
-    as they start); the gateway's URL once it and the worker serve."""
+    as they start); the gateway's URL once it and the worker serve. The gateway's broker is
+    its own Redis tap (one Redis: the admission pushes the messages) unless ``broker_apart``."""
     port = free_port()
     for side in SIDES:
         env = {**stack.service_env(), **NO_REFUSALS}
         env["LORAFLEET_REDIS_URL"] = taps.url(f"{side}/app")
-        env["LORAFLEET_BROKER_URL"] = taps.url(f"{side}/kombu")
+        apart = side != "gateway" or broker_apart
+        env["LORAFLEET_BROKER_URL"] = taps.url(f"{side}/kombu" if apart else f"{side}/app")
         if side == "gateway":
             env |= {"PORT": str(port), "LORAFLEET_GATEWAY_HOST": "127.0.0.1"}
         children.append(start_service(stack, side, env))
@@ -328,7 +339,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                 children: list[Child] = []
                 try:
                     console.print("starting gateway, worker and webhook worker behind their taps")
-                    gateway_url = start_services(stack, taps, children)
+                    gateway_url = start_services(stack, taps, children, args.broker_apart)
                     meter = Meter(taps, stack.redis(), redis_pid)
                     measured = asyncio.run(
                         measure_all(args, meter, gateway_url, stack.api_key, model, console)
@@ -355,6 +366,11 @@ def main() -> None:
     parser.add_argument("--idle-s", type=float, default=40.0, help="background window")
     parser.add_argument("--settle-s", type=float, default=3.0, help="counted after the last answer")
     parser.add_argument("--only", action="append", help="run only paths whose name has this")
+    parser.add_argument(
+        "--broker-apart",
+        action="store_true",
+        help="the gateway publishes to a broker URL of its own (not inside its admission)",
+    )
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--from-json", type=Path, help="print the tables of an earlier run")
     parser.add_argument("--compare", type=Path, help="an earlier run's JSON: print before/after")

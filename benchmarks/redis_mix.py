@@ -1,13 +1,16 @@
 """The Redis traffic of one job, as each side sends it: what ``redis_capacity.py`` replays.
 
-Written from the code at ``fcd311d`` (``benchmarks/REDIS_CLUSTER.md``, "What one job costs"),
-round trip by round trip: authentication and adapter resolution, ``ADMIT`` (or
-``ADMIT_BATCH``), the kombu publish, the worker's receipt, delivery record, claim, terminal
-write and ack, and the caller's reads. The scripts and their arguments are the project's own
-(``contracts.admission``, ``contracts.job_records``), so a change inside a script is replayed
-as it is; a change in what the services send (fewer round trips, merged scripts) is made here.
+Written from the code as of ``59e450c`` (``benchmarks/REDIS_CLUSTER.md``, "What one job
+costs now"), round trip by round trip: the gateway's access script (``gateway.access.ACCESS``),
+``ADMIT`` (or ``ADMIT_BATCH``) with the jobs' task messages, the long-poll's and the results'
+reads; the worker's kombu receipt, claim, terminal write, ack and held-delivery writes. The
+scripts, their argument builders and the task message are the project's own
+(``gateway.access``, ``contracts.admission``, ``contracts.job_records``,
+``gateway.queue.job_message``), so a change inside a script is replayed as it is; a change in
+what the services send (fewer round trips, merged scripts) is made here.
 ``redis_capacity.py --cost-json`` lists, command by command, where this mix and the one
-``redis_cost.py`` measured differ.
+``redis_cost.py`` measured differ. The mix of ``fcd311d`` and before is not kept: its figures
+are in ``benchmarks/results/*before-fcd311d*``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from celery import Celery
 from redis import Redis
 
 from contracts import admission, job_records
@@ -37,35 +39,49 @@ from contracts.jobs import (
     Usage,
 )
 from contracts.keys import (
-    RETIRED_INDEX,
     adapter_key,
     api_key_key,
     batch_jobs_key,
     batch_key,
-    channel_key,
     grants_key,
     held_key,
     job_key,
-    lease_key,
     tenant_key,
 )
-from contracts.queues import ALL_QUEUES, RUN_JOB_TASK, Tier, queue_for
+from contracts.queues import ALL_QUEUES, Tier, queue_for
 from contracts.registry import AdapterRecord, BaseModelRef
 from contracts.tenants import ALL_ADAPTERS, ApiKeyRecord, TenantRecord
+from gateway.access import _PREFIXES as ACCESS_PREFIXES
+from gateway.access import ACCESS
+from gateway.batches import READ_CHUNK
+from gateway.queue import job_message
 
 Command = tuple[str | bytes | int | float, ...]
-CHANNELS = ("gateway", "gateway/kombu", "worker", "worker/kombu")
+CHANNELS = ("gateway", "gateway/broker", "worker", "worker/kombu")
 PARTS = {
+    # One Redis for records and queues (LORAFLEET_BROKER_URL unset): ADMIT pushes the message.
     "all": CHANNELS,
-    "data": ("gateway", "worker"),  # what the services send to LORAFLEET_REDIS_URL
-    "broker": ("gateway/kombu", "worker/kombu"),  # kombu's transport: LORAFLEET_BROKER_URL
+    # A broker of its own: what each server carries. ADMIT pushes nothing; the gateway sends
+    # the messages to the broker in one pipeline after it (gateway.queue.JobQueues.push).
+    "data": ("gateway", "worker"),
+    "broker": ("gateway/broker", "worker/kombu"),
 }
 KOMBU_PRIORITIES = (0, 3, 6, 9)  # kombu's Redis transport: a list per queue and priority step
 KOMBU_SEP = "\x06\x16"
+KOMBU_QUEUES = [q if p == 0 else f"{q}{KOMBU_SEP}{p}" for p in KOMBU_PRIORITIES for q in ALL_QUEUES]
 TTL_S = 7 * 24 * 3600  # job records, as the services keep them
 DEADLINE_S = 600.0
 LEASE_TTL_S = 60.0
+MAX_ATTEMPTS = 3
 LIMITS = admission.Limits(tier_max=10**9, tenant_max=10**9, rate_per_s=1e9, burst=10**9)
+SCRIPTS = {
+    "ACCESS": ACCESS,
+    "ADMIT": admission.ADMIT,
+    "ADMIT_BATCH": admission.ADMIT_BATCH,
+    "CLAIM": job_records.CLAIM,
+    "ADVANCE": job_records.ADVANCE,
+}
+SCRIPT_NAMES = {hashlib.sha1(lua.encode()).hexdigest(): name for name, lua in SCRIPTS.items()}
 
 
 def resp(command: Command) -> bytes:
@@ -95,6 +111,17 @@ class Trip:
         return Trip(self.channel, (), self.payload.replace(old, new))
 
 
+def script(source: str, keys: list[str], args: list[Any]) -> Command:
+    """``EVALSHA`` of a script the services have loaded (``load_scripts``)."""
+    return ("EVALSHA", hashlib.sha1(source.encode()).hexdigest(), len(keys), *keys, *args)
+
+
+def load_scripts(redis: Redis) -> None:
+    """Load the scripts the mix calls by SHA-1 (the services' first calls do the same)."""
+    for source in SCRIPTS.values():
+        redis.script_load(source)
+
+
 class Fixture:
     """One tenant, key and adapter in the server, and the records a job goes through."""
 
@@ -102,7 +129,7 @@ class Fixture:
     ALIAS = "invoices"
     WORKER = "gpu-7f9c:1:3a2b1c0d"
 
-    def __init__(self, redis: Redis, broker_url: str) -> None:
+    def __init__(self, redis: Redis) -> None:
         now = datetime.now(tz=UTC)
         self.key_hash = hashlib.sha256(b"lf_bench_secret").hexdigest()
         self.base = BaseModelRef(id="meta-llama/Llama-3.1-8B-Instruct", digest="b" * 64)
@@ -117,6 +144,7 @@ class Fixture:
             tier=Tier.HOT,
             created_at=now,
         )
+        self.queue = queue_for(self.record.tier)
         redis.set(
             api_key_key(self.key_hash),
             ApiKeyRecord(key_id="k1", tenant=self.TENANT, created_at=now).model_dump_json(),
@@ -127,23 +155,12 @@ class Fixture:
         )
         redis.sadd(grants_key(self.TENANT), ALL_ADAPTERS)
         redis.set(adapter_key(self.ALIAS), self.record.model_dump_json())
-        self.envelope = self._celery_envelope(redis, broker_url)
 
-    def _celery_envelope(self, redis: Redis, broker_url: str) -> bytes:
-        """The message Celery publishes for a job (sent once to a scratch queue, read back)."""
-        queue = f"capacity-{uuid.uuid4().hex}"
-        producer = Celery("capacity", broker=broker_url)
-        message = self.message("0" * 32)
-        producer.send_task(RUN_JOB_TASK, args=[message.wire()], queue=queue, task_id="0" * 32)
-        producer.close()
-        raw = redis.rpop(queue)
-        redis.delete(f"_kombu.binding.{queue}")
-        assert isinstance(raw, bytes)
-        return raw
-
-    def message(self, job_id: str, at: float | None = None) -> JobMessage:
-        accepted = at or time.time()
-        return JobMessage(
+    def message(self, job_id: str, tag: str, at: float) -> str:
+        """The task message the gateway writes for the job (``gateway.queue.job_message``),
+        its broker delivery tag made ``tag`` so that it is renamed with the job. Its body is
+        base64: the job id inside stays the template's (same length; nothing here decodes it)."""
+        job = JobMessage(
             job_id=job_id,
             tenant=self.TENANT,
             adapter=self.ALIAS,
@@ -152,9 +169,12 @@ class Fixture:
             tier=self.record.tier,
             prompt="Extract the total amount, the due date and the vendor name: " + "x" * 200,
             sampling=Sampling(max_tokens=8, temperature=0),
-            accepted_at=accepted,
-            deadline_at=accepted + DEADLINE_S,
+            accepted_at=at,
+            deadline_at=at + DEADLINE_S,
         )
+        envelope = json.loads(job_message(job))
+        envelope["properties"]["delivery_tag"] = tag
+        return json.dumps(envelope, separators=(",", ":"))
 
     def lifecycle(self, job_id: str, batch: str | None = None) -> tuple[JobPublic, ...]:
         """The job as admitted, as claimed, and as finished with a result."""
@@ -166,7 +186,7 @@ class Fixture:
             adapter=self.ALIAS,
             revision=self.record.digest,
             tier=self.record.tier,
-            queue=queue_for(self.record.tier),
+            queue=self.queue,
             created_at=now,
             deadline_at=now + timedelta(seconds=DEADLINE_S),
             batch=batch,
@@ -211,85 +231,101 @@ class Fixture:
 
     # -- what each side sends ---------------------------------------------------------------
 
-    def authenticate(self) -> list[Trip]:
-        """Every authenticated request: the key, then its tenant."""
-        return [
-            Trip.of("gateway", ("GET", api_key_key(self.key_hash))),
-            Trip.of("gateway", ("GET", tenant_key(self.TENANT))),
-        ]
+    def access(self, name: str = "") -> Trip:
+        """``gateway.access.check``: the key and its tenant; with ``name``, also its grant,
+        channel, record and retirement (the admission routes' dependency)."""
+        command = script(ACCESS, [api_key_key(self.key_hash)], [*ACCESS_PREFIXES, name])
+        return Trip.of("gateway", command)
 
-    def resolve(self) -> list[Trip]:
-        """The adapter named: channel and grant, then record and retirement."""
-        return [
-            Trip.of(
-                "gateway",
-                ("GET", channel_key(self.ALIAS)),
-                ("SMISMEMBER", grants_key(self.TENANT), self.ALIAS, ALL_ADAPTERS),
+    def read(self, job_id: str) -> Trip:
+        """``gateway.job_store.get_job``: the long-poll's read of the record."""
+        return Trip.of("gateway", ("HMGET", job_key(job_id), *job_records.RECORD_FIELDS))
+
+    def publish(self, messages: list[str]) -> list[Trip]:
+        """A broker of its own: ``JobQueues.push``, one pipeline after the admission."""
+        if not messages:
+            return []
+        return [Trip.of("gateway/broker", *(("LPUSH", self.queue, m) for m in messages))]
+
+    def run(self, jobs: list[tuple[str, str, str]], batch: str | None = None) -> list[Trip]:
+        """The worker, for ``(job id, delivery tag, message)`` received together: each is
+        received by kombu (``BRPOP``, then its unacked bookkeeping); their claims go in one
+        pipeline (``worker.script_batch``), as do their outcomes; the held-delivery writer
+        records them in one write and clears them in another (``worker.held``); kombu acks
+        each."""
+        trips = []
+        claims, advances = [], []
+        for job_id, tag, message in jobs:
+            unacked = json.dumps([json.loads(message), "", self.queue])  # kombu's QoS.append
+            trips += [
+                Trip.of("worker/kombu", ("BRPOP", *KOMBU_QUEUES, 1)),
+                Trip.of(
+                    "worker/kombu",
+                    ("MULTI",),
+                    ("ZADD", "unacked_index", repr(time.time()), tag),
+                    ("HSET", "unacked", tag, unacked),
+                    ("EXEC",),
+                ),
+            ]
+            _, running, done = self.lifecycle(job_id, batch)
+            claim = job_records.claim_call(
+                job_id,
+                self.WORKER,
+                running.started_at,  # type: ignore[arg-type]
+                MAX_ATTEMPTS,
+                False,
+                LEASE_TTL_S,
+                TTL_S,
+                tag,
+            )
+            claims.append(script(job_records.CLAIM, *claim))
+            advances.append(script(job_records.ADVANCE, *job_records.advance_call(done, TTL_S, 1)))
+        held = held_key(self.WORKER)
+        trips += [
+            Trip.of("worker", *claims),
+            # Gathered for 5 ms, the receipt's write lands after the claims (which hold too).
+            Trip.of("worker", *(("HSET", held, tag, job_id) for job_id, tag, _ in jobs)),
+            Trip.of("worker", *advances),
+            *(
+                Trip.of(
+                    "worker/kombu",
+                    ("MULTI",),
+                    ("ZREM", "unacked_index", tag),
+                    ("HDEL", "unacked", tag),
+                    ("EXEC",),
+                )
+                for _, tag, _ in jobs
             ),
-            Trip.of(
-                "gateway",
-                ("GET", adapter_key(self.ALIAS)),
-                ("SISMEMBER", RETIRED_INDEX, self.ALIAS),
-            ),
+            Trip.of("worker", *(("HDEL", held, tag) for _, tag, _ in jobs)),
         ]
+        return trips
 
-    def publish(self, job_id: str) -> Trip:
-        envelope = self.envelope.replace(b"0" * 32, job_id.encode())
-        return Trip.of("gateway/kombu", ("LPUSH", queue_for(self.record.tier), envelope))
+    def jobs_api(self, job_ids: list[str], tags: list[str], inline: bool) -> list[Trip]:
+        """For each job, ``POST /v1/jobs`` and the long-poll ``GET``'s first read; the
+        worker's run of them all; then each long-poll's read when the job's event wakes it."""
+        trips, received = [], []
+        for job_id, tag in zip(job_ids, tags, strict=True):
+            queued, _, _ = self.lifecycle(job_id)
+            message = self.message(job_id, tag, queued.created_at.timestamp())
+            expires_at = queued.created_at.timestamp() + DEADLINE_S + admission.LEDGER_GRACE_S
+            admit = admission.admit_call(
+                queued, expires_at, LIMITS, TTL_S, message=message if inline else None
+            )
+            trips += [
+                self.access(self.ALIAS),
+                Trip.of("gateway", script(admission.ADMIT, *admit)),
+                *self.publish([] if inline else [message]),
+                self.access(),
+                self.read(job_id),  # not finished yet
+            ]
+            received.append((job_id, tag, message))
+        return [*trips, *self.run(received), *(self.read(job_id) for job_id in job_ids)]
 
-    def run(self, job_id: str, tag: str, batch: str | None = None) -> list[Trip]:
-        """The worker: receive (kombu), record the delivery, claim, finish, ack."""
-        _, running, done = self.lifecycle(job_id, batch)
-        queues = [
-            q if p == 0 else f"{q}{KOMBU_SEP}{p}" for p in KOMBU_PRIORITIES for q in ALL_QUEUES
-        ]
-        unacked = json.dumps([self.envelope.decode(), "", queue_for(self.record.tier)])
-        lease = job_records.lease_value(self.WORKER, 1)
-        claim = job_records.claim_call(running, 0, lease, LEASE_TTL_S, TTL_S)
-        advance = job_records.advance_call(done, TTL_S, expect_attempts=1)
-        return [
-            Trip.of("worker/kombu", ("BRPOP", *queues, 1)),
-            Trip.of(
-                "worker/kombu",
-                ("MULTI",),
-                ("ZADD", "unacked_index", repr(time.time()), tag),
-                ("HSET", "unacked", tag, unacked),
-                ("EXEC",),
-            ),
-            Trip.of("worker", ("HSET", held_key(self.WORKER), tag, job_id)),
-            Trip.of("worker", ("HGET", job_key(job_id), "record")),
-            Trip.of("worker", ("EXISTS", lease_key(job_id))),
-            Trip.of("worker", script(job_records.CLAIM, *claim)),
-            Trip.of("worker", script(job_records.ADVANCE, *advance)),
-            Trip.of(
-                "worker/kombu",
-                ("MULTI",),
-                ("ZREM", "unacked_index", tag),
-                ("HDEL", "unacked", tag),
-                ("EXEC",),
-            ),
-            Trip.of("worker", ("HDEL", held_key(self.WORKER), tag)),
-        ]
-
-    def jobs_api(self, job_id: str, tag: str) -> list[Trip]:
-        """``POST /v1/jobs``, the worker's run, one long-poll ``GET``."""
-        queued, _, _ = self.lifecycle(job_id)
-        expires_at = queued.deadline_at.timestamp() + admission.LEDGER_GRACE_S  # type: ignore[union-attr]
-        admit = admission.admit_call(queued, expires_at, LIMITS, TTL_S)
-        read = Trip.of("gateway", ("HGET", job_key(job_id), "record"))
-        return [
-            *self.authenticate(),
-            *self.resolve(),
-            Trip.of("gateway", script(admission.ADMIT, *admit)),
-            self.publish(job_id),
-            *self.authenticate(),
-            read,  # the long-poll's first look: not finished
-            *self.run(job_id, tag),
-            read,  # woken by the job's event
-        ]
-
-    def batch(self, batch_id: str, job_ids: list[str], tags: list[str]) -> list[Trip]:
-        """``POST /v1/batches``, every job's run, one status read, the results."""
+    def batch(
+        self, batch_id: str, job_ids: list[str], tags: list[str], inline: bool, wave: int
+    ) -> list[Trip]:
+        """``POST /v1/batches``, the worker's runs (``wave`` jobs received together), one
+        status poll, then the results."""
         now = time.time()
         record = BatchRecord(
             id=batch_id,
@@ -299,6 +335,7 @@ class Fixture:
             expires_at=int(now + DEADLINE_S),
         )
         jobs = [self.lifecycle(job_id, batch_id)[0] for job_id in job_ids]
+        messages = [self.message(j, t, now) for j, t in zip(job_ids, tags, strict=True)]
         lines = [
             BatchLine(custom_id=f"r{n}", job_id=job_id, endpoint="/v1/jobs", model=self.ALIAS)
             for n, job_id in enumerate(job_ids)
@@ -310,84 +347,112 @@ class Fixture:
             tier_max=dict.fromkeys(Tier, LIMITS.tier_max),
         )
         admit = admission.admit_batch_call(
-            record, jobs, lines, now + DEADLINE_S + 60, limits, TTL_S
+            record,
+            jobs,
+            lines,
+            now + DEADLINE_S + admission.LEDGER_GRACE_S,
+            limits,
+            TTL_S,
+            messages=messages if inline else None,
         )
         read_batch = Trip.of("gateway", ("HGETALL", batch_key(batch_id)))
+        received = list(zip(job_ids, tags, messages, strict=True))
+        results = []  # gateway.batches.Batches.lines: a chunk of lines, their records, ...
+        key = batch_jobs_key(batch_id)
+        for start in range(0, len(job_ids) + READ_CHUNK, READ_CHUNK):
+            chunk = job_ids[start : start + READ_CHUNK]
+            results.append(Trip.of("gateway", ("LRANGE", key, start, start + READ_CHUNK - 1)))
+            if chunk:  # else the empty answer that ends the reading
+                fields = job_records.RECORD_FIELDS
+                results.append(Trip.of("gateway", *(("HMGET", job_key(j), *fields) for j in chunk)))
         return [
-            *self.authenticate(),
-            *self.resolve(),
+            self.access(),  # the route's tenant
+            self.access(self.ALIAS),  # Batches.create resolves each name the lines use
             Trip.of("gateway", script(admission.ADMIT_BATCH, *admit)),
-            *(self.publish(job_id) for job_id in job_ids),
-            read_batch,
+            *self.publish([] if inline else messages),
+            read_batch,  # the answer: Batches.get
             *(
                 trip
-                for job_id, tag in zip(job_ids, tags, strict=True)
-                for trip in self.run(job_id, tag, batch_id)
+                for start in range(0, len(received), wave)
+                for trip in self.run(received[start : start + wave], batch_id)
             ),
-            *self.authenticate(),
+            self.access(),
             read_batch,  # a status poll
-            *self.authenticate(),
-            read_batch,
-            Trip.of("gateway", ("LRANGE", batch_jobs_key(batch_id), 0, 499)),
-            Trip.of("gateway", *(("HGET", job_key(job_id), "record") for job_id in job_ids)),
-            Trip.of("gateway", ("LRANGE", batch_jobs_key(batch_id), 500, 999)),
+            self.access(),
+            read_batch,  # the results: the batch, then its lines and records
+            *results,
         ]
 
 
-def script(source: str, keys: list[str], args: list[Any]) -> Command:
-    """``EVALSHA`` of a script the services have loaded (``load_scripts``)."""
-    return ("EVALSHA", hashlib.sha1(source.encode()).hexdigest(), len(keys), *keys, *args)
-
-
-def load_scripts(redis: Redis) -> None:
-    """Load the scripts the mix calls by SHA-1 (the services' first calls do the same)."""
-    for source in (admission.ADMIT, admission.ADMIT_BATCH, job_records.CLAIM, job_records.ADVANCE):
-        redis.script_load(source)
-
-
 class Mix:
-    """The trips of one job (``jobs``) or one batch (``batch``), built once from a template
-    and renamed for every replay: ids are ``<16 hex of the replay><16 hex of the slot>``."""
+    """The trips of ``wave`` jobs of the jobs API (``jobs``) or of one batch (``batch``), built
+    once from a template and renamed for every replay: ids are ``<16 hex of the replay><16
+    hex of the slot>``. ``wave``: jobs a worker receives together, whose claims, outcomes and
+    held-delivery writes share round trips (1: none shared, a lightly loaded worker)."""
 
-    def __init__(self, fixture: Fixture, kind: str, batch_size: int, part: str = "all") -> None:
+    def __init__(
+        self, fixture: Fixture, kind: str, batch_size: int, part: str = "all", wave: int = 1
+    ) -> None:
         self.kind = kind
         self.part = part
+        self.wave = wave
         self.placeholder = uuid.uuid4().hex[:16]
-        self.jobs = 1 if kind == "jobs" else batch_size
-        job_ids = [f"{self.placeholder}{n:016x}" for n in range(self.jobs)]
-        # kombu's delivery tags are uuid4 strings; these carry the placeholder too.
+        self.jobs = wave if kind == "jobs" else batch_size
+        self.job_ids = [f"{self.placeholder}{n:016x}" for n in range(self.jobs)]
+        # Delivery tags are uuid4 strings; these carry the placeholder too.
         p = self.placeholder
         tags = [f"{p[:8]}-{p[8:12]}-4{p[13:16]}-8000-{n:012x}" for n in range(self.jobs)]
+        inline = part == "all"
         if kind == "jobs":
-            self.template = fixture.jobs_api(job_ids[0], tags[0])
+            self.template = fixture.jobs_api(self.job_ids, tags, inline)
         else:
-            self.template = fixture.batch(f"batch_{self.placeholder}{'0' * 16}", job_ids, tags)
+            batch_id = f"batch_{self.placeholder}{'0' * 16}"
+            self.template = fixture.batch(batch_id, self.job_ids, tags, inline, wave)
         # Only the part one server would carry if the data and the broker were apart.
         self.trips = [trip for trip in self.template if CHANNELS[trip.channel] in PARTS[part]]
 
     @property
     def name(self) -> str:
-        return self.kind if self.part == "all" else f"{self.kind}: {self.part} only"
+        name = self.kind if self.part == "all" else f"{self.kind}: {self.part} only"
+        return name if self.wave == 1 else f"{name}, waves of {self.wave}"
 
     def fresh(self) -> list[Trip]:
-        """The trips of a new job (or batch), under ids nobody used."""
+        """The trips of new jobs (or a new batch), under ids nobody used."""
         old, new = self.placeholder.encode(), uuid.uuid4().hex[:16].encode()
         return [trip.renamed(old, new) for trip in self.trips]
 
     def check(self, redis: Redis) -> None:
         """Run one instance through a plain client and make sure every script did its work
-        (admitted, claimed, finished): a replay of refusals would measure nothing."""
-        expected = {
-            admission.ADMIT: [b"admitted", b"0"],
-            admission.ADMIT_BATCH: [b"admitted", b"0"],
-            job_records.CLAIM: job_records.Advance.WRITTEN,
-            job_records.ADVANCE: job_records.Advance.WRITTEN,
-        }
-        by_sha = {hashlib.sha1(lua.encode()).hexdigest(): want for lua, want in expected.items()}
+        (resolved, admitted and pushed, claimed, finished): a replay of refusals, or of an
+        admission that only found its own earlier run, would measure nothing."""
+        redis.delete(*KOMBU_QUEUES)  # so every message received is one this instance pushed
         for trip in self.template:
             for command in trip.commands:
+                name = SCRIPT_NAMES.get(str(command[1])) if command[0] == "EVALSHA" else None
+                # What ADMIT (KEYS[4], the record) or ADMIT_BATCH (KEYS[3], the batch) creates.
+                created = {"ADMIT": 6, "ADMIT_BATCH": 5}.get(name or "")
+                if created is not None and redis.exists(str(command[created])):
+                    raise RuntimeError(f"{name} would find {command[created]!r}: a no-op")
+                name = name or str(command[0])
                 reply = redis.execute_command(*command)
-                if command[0] == "EVALSHA":
-                    want = by_sha[str(command[1])]
-                    if reply != want:
-                        raise RuntimeError(f"replayed script returned {reply!r}, not {want!r}")
+                if not _did_its_work(name, command, reply, self.job_ids):
+                    raise RuntimeError(f"replayed {name} answered {reply!r}")
+
+
+def _did_its_work(name: str, command: Command, reply: Any, job_ids: list[str]) -> bool:
+    """Whether ``reply`` to ``command`` shows it did what the services' call does."""
+    if name == "ACCESS":
+        if command[-1] == "":  # authentication only: the key and its tenant
+            return len(reply) == 2 and reply[1] is not None
+        return len(reply) == 6 and reply[3] == 1 and reply[4] is not None and reply[5] == 0
+    if name in ("ADMIT", "ADMIT_BATCH"):
+        return bool(reply == [b"admitted", b"0"])
+    if name == "CLAIM":
+        return bool(reply[0] == b"run")
+    if name == "ADVANCE":
+        return bool(reply == job_records.Advance.WRITTEN)
+    if name == "BRPOP":
+        return reply is not None and json.loads(reply[1])["headers"]["id"] in job_ids
+    if name == "HMGET":
+        return reply[0] is not None
+    return True
