@@ -35,6 +35,7 @@ from redis.exceptions import RedisError
 from contracts.jobs import JobPublic
 from contracts.keys import STREAM_END, stream_key
 from gateway import job_store
+from gateway.background import LoopTask
 from gateway.waiter import JobWaiter
 
 log = logging.getLogger(__name__)
@@ -95,12 +96,13 @@ class _Follower:
         self.ready.set()
 
 
-class StreamHub:
+class StreamHub(LoopTask):
     """The process's stream reader. ``start`` it on the event loop, ``follow`` streams."""
 
     def __init__(self, reader: Redis, pool: Redis, waiter: JobWaiter) -> None:
         """``reader``: a client of one connection, for the blocking read only (no socket
         timeout); ``pool``: the process's client, for the rest."""
+        super().__init__("stream-hub")
         self._reader = reader
         self._pool = pool
         self._waiter = waiter
@@ -109,19 +111,9 @@ class StreamHub:
         self._reader_id: int | None = None
         self._blocked = False
         self._unblocking = False
-        self._task: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[None]] = set()
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._read(), name="stream-hub")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _read(self) -> None:
+    async def run(self) -> None:
         pause = RETRY_S[0]
         while True:
             if not self._followers:

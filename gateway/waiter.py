@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 from contracts.jobs import JobPublic
 from contracts.keys import JOB_EVENTS
 from gateway import job_store
+from gateway.background import LoopTask
 
 log = logging.getLogger(__name__)
 
@@ -28,23 +29,14 @@ RECHECK_S = 5.0
 """How often a waiter reads its job's record even though no event woke it."""
 
 
-class JobWaiter:
+class JobWaiter(LoopTask):
     def __init__(self, redis: Redis, recheck_s: float = RECHECK_S) -> None:
+        super().__init__("job-events")
         self._redis = redis
         self.recheck_s = recheck_s
         self._watchers: dict[str, set[Callable[[], None]]] = defaultdict(set)
-        self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._listen(), name="job-events")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _listen(self) -> None:
+    async def run(self) -> None:
         while True:
             try:
                 async with self._redis.pubsub() as pubsub:
