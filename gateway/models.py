@@ -8,6 +8,7 @@ worker and chat prompts can't be rendered.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -105,6 +106,7 @@ class BaseModels:
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
         self._cards: dict[str, tuple[float, BaseModelCard | None]] = {}
+        self._reading: dict[str, asyncio.Future[BaseModelCard | None]] = {}
         self._tokenizers: dict[str, Tokens] = {}
 
     async def get(self, digest: str) -> ServedModel | None:
@@ -117,6 +119,14 @@ class BaseModels:
         cached = self._cards.get(digest)
         if cached is not None and cached[0] > time.monotonic():
             return cached[1]
+        # One read however many requests find the card stale at once.
+        reading = self._reading.get(digest)
+        if reading is None:
+            reading = self._reading[digest] = asyncio.ensure_future(self._read_card(digest))
+            reading.add_done_callback(lambda _: self._reading.pop(digest, None))
+        return await asyncio.shield(reading)
+
+    async def _read_card(self, digest: str) -> BaseModelCard | None:
         raw = await self._redis.get(base_card_key(digest))
         card = None if raw is None else BaseModelCard.model_validate_json(raw)
         self._cards[digest] = (time.monotonic() + CARD_TTL_S, card)

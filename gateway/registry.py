@@ -45,7 +45,7 @@ class UnreadableAlias(Exception):
 def resolution(
     name: str, target: str | None, granted: bool, raw: str | None, retired: bool
 ) -> Resolved | None:
-    """What ``name`` resolves to for a tenant, from what ``gateway.auth.ACCESS`` read in one
+    """What ``name`` resolves to for a tenant, from what ``gateway.access.ACCESS`` read in one
     round trip: the channel's ``target`` alias (``None``: ``name`` is an alias), whether the
     tenant is ``granted`` ``name`` (or every adapter), the alias's ``raw`` record and whether
     it is ``retired``. ``None`` if absent or not granted: a caller can't tell the two apart,
