@@ -20,6 +20,7 @@ from enum import StrEnum
 
 from contracts.batches import BatchLine, BatchRecord
 from contracts.errors import ErrorCode
+from contracts.job_records import WITHDRAWN, WITHDRAWN_TTL_S
 from contracts.jobs import JobPublic
 from contracts.keys import (
     DEADLINES,
@@ -60,8 +61,11 @@ ADMIT = (
     REFUSE_WHEN_FULL
     + TAKE_TOKEN_LUA
     + """
--- Run again (a client retrying after its reply was lost): admitted already, and only once.
-if redis.call('EXISTS', KEYS[4]) == 1 then return {'admitted', '0'} end
+-- Run again (a client retrying after its reply was lost): admitted already, and only once;
+-- or withdrawn meanwhile (this copy waited in Redis's input after its caller gave up).
+local was = redis.call('HGET', KEYS[4], 'status')
+if was == '""" + WITHDRAWN + """' then return {'withdrawn', '0'} end
+if was then return {'admitted', '0'} end
 local now_t = redis.call('TIME')
 local now = tonumber(now_t[1]) + tonumber(now_t[2]) / 1e6
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -84,7 +88,10 @@ ledger slots and a token, write its record and, when the queue lives in the same
 push its message (``contracts.task_messages``): admitted and enqueued in one step."""
 
 WITHDRAW = """
+-- The job's key becomes a tombstone, so that an ADMIT of it still on its way is refused.
 redis.call('DEL', KEYS[4])
+redis.call('HSET', KEYS[4], 'status', ARGV[3])
+redis.call('EXPIRE', KEYS[4], ARGV[4])
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[5], ARGV[1])
@@ -94,7 +101,9 @@ if removed == 1 and redis.call('EXISTS', KEYS[3]) == 1 then
 end
 return removed
 """
-"""Undo an admission whose enqueue failed: no record, no ledger entry, the token refunded."""
+"""Undo an admission whose reply was lost or whose enqueue failed: no record, no ledger
+entry, the token refunded, and the job id closed to a late ``ADMIT`` (a message already
+pushed finds no record and is dropped by the worker)."""
 
 
 class Refusal(StrEnum):
@@ -136,11 +145,10 @@ def admit_call(
     limits: Limits,
     ttl_s: int,
     message: str | None = None,
-    record: str | None = None,
 ) -> tuple[list[str], list[str | int | float]]:
     """``(keys, args)`` of ``ADMIT`` for a new ``job`` (its record is written if admitted);
     ``expires_at`` is its deadline + ``LEDGER_GRACE_S``. ``message``, if given, is pushed
-    onto the job's queue in the same step; ``record`` is ``job``'s JSON, if already made."""
+    onto the job's queue in the same step."""
     queue = queue_for(job.tier) if message is not None else NO_KEY
     keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id), DEADLINES, queue]
     args: list[str | int | float] = [
@@ -151,7 +159,7 @@ def admit_call(
         repr(limits.rate_per_s),
         limits.burst,
         job.status.value,
-        record if record is not None else job.model_dump_json(),
+        job.model_dump_json(),
         ttl_s,
         repr(expires_at - LEDGER_GRACE_S),  # the deadline, for the sweeper's index
         message or "",
@@ -161,11 +169,18 @@ def admit_call(
 
 def withdraw_call(job: JobPublic, burst: int) -> tuple[list[str], list[str | int | float]]:
     keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id), DEADLINES]
-    return keys, [job.id, burst]
+    return keys, [job.id, burst, WITHDRAWN, WITHDRAWN_TTL_S]
+
+
+class AdmissionWithdrawn(Exception):
+    """An admission script found its job (or batch) already withdrawn: nothing was admitted.
+    Only a copy of the script that outlived its caller can meet this."""
 
 
 def verdict(reply: list[str]) -> Verdict:
     kind, retry = str(reply[0]), float(reply[1])
+    if kind == "withdrawn":
+        raise AdmissionWithdrawn
     return Verdict(None if kind == "admitted" else Refusal(kind), retry)
 
 
@@ -178,7 +193,9 @@ ADMIT_BATCH = (
 -- job. ARGV: 1 tenant max, 2 rate, 3 burst, 4..6 tier maxima, 7 expiry, 8 ttl, 9 batch
 -- record, 10 batch webhook url, 11 tenant, 12 total, 13 deadline (expiry - grace), then per
 -- job: id, tier index (0..2), record, line, queue message ('' if published elsewhere).
--- Run again (a client retrying after its reply was lost): admitted already, and only once.
+-- Run again (a client retrying after its reply was lost): admitted already, and only once;
+-- or withdrawn meanwhile (this copy waited in Redis's input after its caller gave up).
+if redis.call('HEXISTS', KEYS[3], '""" + WITHDRAWN + """') == 1 then return {'withdrawn', '0'} end
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'admitted', '0'} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -226,24 +243,30 @@ all; the batch takes one token of the rate bucket (it is one request). When the 
 live in the same Redis, the jobs' messages are pushed in the same step, in order."""
 
 WITHDRAW_BATCH = """
--- KEYS: as ADMIT_BATCH's. ARGV: 1 burst, 2.. job ids.
-if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
-for i = 2, #ARGV do
+-- KEYS: as ADMIT_BATCH's. ARGV: 1 burst, 2 tombstone ttl (s), 3.. job ids.
+local admitted = redis.call('EXISTS', KEYS[3]) == 1
+  and redis.call('HEXISTS', KEYS[3], '""" + WITHDRAWN + """') == 0
+-- The batch's key becomes a tombstone, so that an ADMIT_BATCH still on its way is refused.
+redis.call('DEL', KEYS[3])
+redis.call('HSET', KEYS[3], '""" + WITHDRAWN + """', 1)
+redis.call('EXPIRE', KEYS[3], ARGV[2])
+if not admitted then return 0 end
+for i = 3, #ARGV do
   redis.call('ZREM', KEYS[1], ARGV[i])
   for tier = 5, 7 do redis.call('ZREM', KEYS[tier], ARGV[i]) end
   redis.call('ZREM', KEYS[8], ARGV[i])
-  redis.call('DEL', KEYS[10 + i])
+  redis.call('DEL', KEYS[9 + i])
 end
-redis.call('DEL', KEYS[3], KEYS[4])
+redis.call('DEL', KEYS[4])
 if redis.call('EXISTS', KEYS[2]) == 1 then
   local tokens = tonumber(redis.call('HGET', KEYS[2], 'tokens')) or 0
   redis.call('HSET', KEYS[2], 'tokens', tostring(math.min(tonumber(ARGV[1]), tokens + 1)))
 end
 return 1
 """
-"""Undo a batch whose admission was cut short or whose enqueue failed: no records, no
-ledger entries, no batch, token back. Messages already published find no record and are
-dropped by the workers."""
+"""Undo a batch whose admission's reply was lost or whose enqueue failed: no records, no
+ledger entries, no batch, token back, and the batch id closed to a late ``ADMIT_BATCH``.
+Messages already published find no record and are dropped by the workers."""
 
 TIER_ORDER: tuple[Tier, ...] = (Tier.HOT, Tier.WARM, Tier.COLD)
 
@@ -310,7 +333,8 @@ def admit_batch_call(
 def withdraw_batch_call(
     batch: BatchRecord, jobs: list[JobPublic], burst: int
 ) -> tuple[list[str], list[str | int | float]]:
-    return _batch_keys(batch.id, batch.tenant, jobs), [burst, *(job.id for job in jobs)]
+    args: list[str | int | float] = [burst, WITHDRAWN_TTL_S, *(job.id for job in jobs)]
+    return _batch_keys(batch.id, batch.tenant, jobs), args
 
 
 def batch_verdict(reply: list[str]) -> tuple[Verdict, Tier | None]:

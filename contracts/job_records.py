@@ -68,12 +68,20 @@ end
 
 _TERMINAL_LUA = " or ".join(f"s == '{status.value}'" for status in sorted(TERMINAL_STATUSES))
 
+WITHDRAWN = "withdrawn"
+"""The ``status`` of a job key whose admission was withdrawn (``contracts.admission``
+``WITHDRAW``): no record, and no script admits, claims or writes it again."""
+
+WITHDRAWN_TTL_S = 600
+"""How long a withdrawn job's key stays: longer than an admission script sent before the
+withdrawal can wait in Redis's input (a reply lost to a timeout, the connection closed)."""
+
 ADVANCE = (
     CREATE_EVENT_LUA
     + f"""
 local function terminal(s) return {_TERMINAL_LUA} end
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return -1 end
+if not status or status == '{WITHDRAWN}' then return -1 end
 if terminal(status) then return 0 end
 if ARGV[4] ~= '' and (redis.call('HGET', KEYS[1], 'attempts') or '0') ~= ARGV[4] then
   return -2
@@ -119,21 +127,23 @@ local function terminal(s) return {_TERMINAL_LUA} end
 -- KEYS: 1 job, 2 lease, 3 the worker's held deliveries. ARGV: 1 worker id, 2 lease ttl (ms),
 -- 3 record ttl (s), 4 max attempts, 5 started at (ISO 8601), 6 '1' to leave a running job
 -- without a lease alone (rejoining), 7 the delivery's tag ('': none), 8 the job id.
--- Returns {{outcome, record, attempts}}.
+-- Returns {{outcome}} and, unless missing, the job's RECORD_FIELDS as they are now.
 if ARGV[7] ~= '' then redis.call('HSET', KEYS[3], ARGV[7], ARGV[8]) end
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return {{'missing'}} end
-local record = redis.call('HGET', KEYS[1], 'record')
-local attempts = tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0')
-if terminal(status) then return {{'finished', record, attempts}} end
-if redis.call('EXISTS', KEYS[2]) == 1 then return {{'leased', record, attempts}} end
+if not status or status == '{WITHDRAWN}' then return {{'missing'}} end
+local fields = redis.call('HMGET', KEYS[1], 'record', 'attempts', 'started_at', 'worker')
+local record, attempts = fields[1], tonumber(fields[2] or '0')
+-- As it stands (job_of's fields), for the caller to write from if it may not run.
+local current = {{record, status, attempts, fields[3], fields[4]}}
+if terminal(status) then return {{'finished', unpack(current)}} end
+if redis.call('EXISTS', KEYS[2]) == 1 then return {{'leased', unpack(current)}} end
 if status == '{JobStatus.RUNNING.value}' and ARGV[6] == '1' then
-  return {{'rejoining', record, attempts}}
+  return {{'rejoining', unpack(current)}}
 end
 local failures = cjson.decode(record)['engine_failures']
 local most = tonumber(ARGV[4])
 if attempts >= most or (type(failures) == 'number' and failures >= most) then
-  return {{'exhausted', record, attempts}}
+  return {{'exhausted', unpack(current)}}
 end
 attempts = attempts + 1
 redis.call('HSET', KEYS[1], 'status', '{JobStatus.RUNNING.value}', 'attempts', attempts,
@@ -141,7 +151,7 @@ redis.call('HSET', KEYS[1], 'status', '{JobStatus.RUNNING.value}', 'attempts', a
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 -- The lease value is ``lease_value(worker id, attempt)``.
 redis.call('SET', KEYS[2], ARGV[1] .. '|' .. attempts, 'PX', ARGV[2])
-return {{'run', record, attempts}}
+return {{'run', record, '{JobStatus.RUNNING.value}', attempts, ARGV[5], ARGV[1]}}
 """
 """Start an attempt, in one round trip: unless the job is finished, another attempt holds
 its lease, or it may not start again (``exhausted``: too many attempts or engine deaths

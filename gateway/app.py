@@ -20,7 +20,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels
 from gateway.queue import JobQueues
 from gateway.routes import batches, files, fleet, health, jobs, openai
-from gateway.streams import StreamHub
+from gateway.streams import StreamHub, reader_client
 from gateway.submit import Submitter
 from gateway.waiter import JobWaiter
 
@@ -54,19 +54,16 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         )
         app.state.batches = Batches(app.state.redis, app.state.submitter, settings)
         app.state.files = Files(app.state.redis, app.state.batches, settings)
-        # The subscription and the shared stream read idle or block for long stretches: no
-        # socket timeout on their connections.
-        events, reader = (
-            Redis.from_url(
-                settings.redis_url,
-                socket_connect_timeout=settings.redis_timeout_s,
-                health_check_interval=30,
-                decode_responses=True,
-                single_connection_client=single,
-                **async_options(),
-            )
-            for single in (False, True)
+        # The subscription idles for long stretches: no socket timeout on its connection
+        # (nor on the stream reader's, which blocks: ``streams.reader_client``).
+        events = Redis.from_url(
+            settings.redis_url,
+            socket_connect_timeout=settings.redis_timeout_s,
+            health_check_interval=30,
+            decode_responses=True,
+            **async_options(),
         )
+        reader = reader_client(settings.redis_url, settings.redis_timeout_s)
         app.state.waiter = JobWaiter(events)
         app.state.waiter.start()
         app.state.streams = StreamHub(reader, app.state.redis, app.state.waiter)

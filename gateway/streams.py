@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from contracts.jobs import JobPublic
@@ -52,6 +54,22 @@ RETRY_S = (0.1, 1.0)
 """First and longest pause between reads while Redis is unreachable."""
 
 Entry = tuple[str, dict[str, str]]
+
+
+def reader_client(url: str, connect_timeout_s: float, **options: Any) -> Redis:
+    """The hub's own client: one connection with no socket timeout (its read blocks), and no
+    retries of its own. Its connection's client id is what ``CLIENT UNBLOCK`` names; a
+    silent reconnect inside a retry would change it behind the hub's back, so an error
+    reaches the hub, which reconnects and reads the new id."""
+    return Redis.from_url(
+        url,
+        socket_connect_timeout=connect_timeout_s,
+        health_check_interval=30,
+        decode_responses=True,
+        single_connection_client=True,
+        retry=Retry(NoBackoff(), 0),
+        **options,
+    )
 
 
 class StreamDiverged(Exception):
@@ -81,9 +99,14 @@ class _Dedup:
         return new
 
 
-@dataclass
+def _id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(eq=False)
 class _Follower:
-    """One stream being followed: where the reader is in it, and what it read."""
+    """One request following a stream: where it is in it, and what it was handed."""
 
     position: str = "0-0"
     entries: list[Entry] = field(default_factory=list)
@@ -94,6 +117,15 @@ class _Follower:
         """The job-events channel says the job may have ended."""
         self.maybe_finished = True
         self.ready.set()
+
+    def take(self, entries: list[Entry]) -> None:
+        """Hand over those of ``entries`` past this follower's position."""
+        after = _id(self.position)
+        fresh = [entry for entry in entries if _id(entry[0]) > after]
+        if fresh:
+            self.position = fresh[-1][0]
+            self.entries.extend(fresh)
+            self.ready.set()
 
 
 class StreamHub(LoopTask):
@@ -106,7 +138,9 @@ class StreamHub(LoopTask):
         self._reader = reader
         self._pool = pool
         self._waiter = waiter
-        self._followers: dict[str, _Follower] = {}
+        # Most streams have one follower; a replayed request (the same idempotency key)
+        # follows the same job's stream again, from its start, beside the first.
+        self._followers: dict[str, set[_Follower]] = {}
         self._changed = asyncio.Event()
         self._reader_id: int | None = None
         self._blocked = False
@@ -121,7 +155,8 @@ class StreamHub(LoopTask):
                 await self._changed.wait()
                 continue
             streams: dict[Any, Any] = {
-                key: follower.position for key, follower in self._followers.items()
+                key: min((f.position for f in followers), key=_id)
+                for key, followers in self._followers.items()
             }
             self._changed.clear()
             try:
@@ -139,11 +174,8 @@ class StreamHub(LoopTask):
                 self._blocked = False
             pause = RETRY_S[0]
             for key, entries in replies or ():
-                follower = self._followers.get(key)
-                if follower is not None and entries:
-                    follower.position = entries[-1][0]
-                    follower.entries.extend(entries)
-                    follower.ready.set()
+                for follower in self._followers.get(key, ()):
+                    follower.take(entries)
 
     def _interrupt(self) -> None:
         """Make the reader read again with the current set of streams, now."""
@@ -172,8 +204,11 @@ class StreamHub(LoopTask):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         dedup = _Dedup()
-        self._followers[key] = follower
+        self._followers.setdefault(key, set()).add(follower)
         self._interrupt()
+        # A job that ended before this follower was registered, without streaming anything,
+        # has no stream to read and sent its event to nobody: look at its record at once.
+        follower.finished()
         try:
             with self._waiter.notifying(job.id, follower.finished):
                 while loop.time() < deadline:
@@ -198,10 +233,17 @@ class StreamHub(LoopTask):
                                 yield text
                             break
         finally:
-            self._followers.pop(key, None)
+            self._unfollow(key, follower)
         final = await self._record(job, deadline)
         if final is not None:
             yield final
+
+    def _unfollow(self, key: str, follower: _Follower) -> None:
+        followers = self._followers.get(key)
+        if followers is not None:
+            followers.discard(follower)
+            if not followers:
+                del self._followers[key]
 
     async def _tail(
         self, job: JobPublic, key: str, follower: _Follower, dedup: _Dedup
@@ -214,12 +256,12 @@ class StreamHub(LoopTask):
             if current is not None and not current.status.terminal:
                 return None
             # Taken from the reader in one step: it delivers nothing more to this follower.
-            del self._followers[key]
+            self._unfollow(key, follower)
             entries, start = follower.entries, follower.position
             rest: list[Entry] = await self._pool.xrange(key, min=f"({start}", max="+")  # type: ignore[assignment]
             entries += rest
         except (RedisError, OSError):
-            self._followers[key] = follower
+            self._followers.setdefault(key, set()).add(follower)
             return None
         return _texts(entries, dedup)[0]
 

@@ -124,7 +124,8 @@ class Submitter:
         Redis and the broker get ``request_timeout_s`` in all: past it the answer is 503.
         """
         async with self.bounded(self._settings.request_timeout_s):
-            assert access.name == request.adapter, "access resolved another name"
+            if access.name != request.adapter:
+                raise RuntimeError(f"access resolved {access.name!r}, not {request.adapter!r}")
             resolved = access.admissible()
             admitted, reserved = await self._submit(access.tenant, resolved, request, idempotency)
         if not admitted.replayed:
@@ -149,7 +150,7 @@ class Submitter:
         except ApiError as refused:
             self.metrics.refused.labels(refused.code.value).inc()
             raise
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (RedisError, OSError, TimeoutError, admission.AdmissionWithdrawn) as exc:
             # Also a Redis that refuses the write (full: maxmemory with noeviction).
             error = unavailable(ADMISSION_TIMED_OUT, exc)
             self.metrics.refused.labels(error.code.value).inc()
@@ -180,10 +181,13 @@ class Submitter:
             reservation = await keys.reserve(idempotency.fingerprint, job_id)
             if not reservation.owned:
                 return await self._replay(tenant, reservation), None
+        job, message = self.job(tenant, prepared, job_id)
         try:
-            job, message = self.job(tenant, prepared, job_id)
-            await self._admit(tenant, job, message)
-        except BaseException:
+            await self._admit(tenant, job, message, keys)
+        except ApiError:
+            # Refused: nothing was admitted, the key is free for a retry at once. (Otherwise
+            # it is freed once the admission is withdrawn: while that is unknown, a retry
+            # waits for the reservation to lapse rather than admit the job a second time.)
             if keys is not None:
                 with contextlib.suppress(RedisError, OSError):
                     await asyncio.shield(keys.release())
@@ -372,9 +376,16 @@ class Submitter:
             burst=own.burst or defaults.tenant_burst,
         )
 
-    async def _admit(self, tenant: TenantRecord, job: JobPublic, message: JobMessage) -> None:
+    async def _admit(
+        self,
+        tenant: TenantRecord,
+        job: JobPublic,
+        message: JobMessage,
+        idempotency: IdempotencyKeys | None,
+    ) -> None:
         """Ledger, record and queue message in one script (a broker of its own gets the
-        message next: a failed push withdraws the admission)."""
+        message next: a failed push withdraws the admission, and so does a lost reply; the
+        idempotency reservation is released once the withdrawal is done)."""
         limits = self.limits(tenant, job.tier)
         expires_at = message.deadline_at + admission.LEDGER_GRACE_S
         encoded = job_message(message)
@@ -396,6 +407,8 @@ class Submitter:
         async def withdraw() -> None:
             keys, args = admission.withdraw_call(job, limits.burst)
             await self._withdraw_script(keys=keys, args=args)
+            if idempotency is not None:
+                await idempotency.release()
 
         async def enqueue() -> None:
             if not self.queues.inline:

@@ -119,6 +119,11 @@ def new_job(**fields: Any) -> JobPublic:
     return JobPublic(**(defaults | fields))
 
 
+def job_records(redis: Redis) -> int:
+    """How many job records Redis holds (a withdrawn job's tombstone has none)."""
+    return sum(1 for key in redis.scan_iter("lorafleet:job:*") if redis.hexists(key, "record"))
+
+
 def job_record(redis: Redis, job_id: str) -> JobPublic:
     """The job's record, read from Redis directly."""
     job = job_of(redis.hmget(job_key(job_id), RECORD_FIELDS))  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ import threading
 from redis import Redis
 from redis.exceptions import RedisError
 
+from contracts.job_records import WITHDRAWN
 from contracts.jobs import JobStatus
 from contracts.keys import JOB_CANCELS
 from worker.background import Background
@@ -47,10 +48,10 @@ class CancelWatcher(Background):
                 stopping.wait(self._poll_s)
 
     def sweep(self) -> None:
-        """Stop every in-flight job whose record says cancelled (or is gone)."""
+        """Stop every in-flight job whose record says cancelled (or is gone, or withdrawn)."""
         job_ids = self._inflight.job_ids()
         if not job_ids:
             return
         for job_id, status in self._jobs.statuses(job_ids).items():
-            if status is None or status == JobStatus.CANCELLED:
+            if status is None or status in (JobStatus.CANCELLED, WITHDRAWN):
                 self._inflight.stop(job_id, StopReason.CANCELLED)

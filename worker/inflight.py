@@ -73,9 +73,7 @@ class InFlight:
         self._jobs: dict[str, Running] = {}
 
     @contextmanager
-    def track(
-        self, job_id: str, attempt: int, cpu_began: float | None = None
-    ) -> Iterator[Running]:
+    def track(self, job_id: str, attempt: int, cpu_began: float | None = None) -> Iterator[Running]:
         running = Running(job_id, attempt, cpu_began)
         with self._lock:
             self._jobs[job_id] = running

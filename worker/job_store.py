@@ -164,26 +164,17 @@ class JobStore:
             )
             reply = self._patiently(functools.partial(self._run, self._claim, keys, args))
             outcome = Claimed(reply[0])
-            if outcome == Claimed.MISSING:
+            job = job_of(reply[1:]) if outcome != Claimed.MISSING else None
+            if job is None:
                 return Claim(ClaimOutcome.MISSING, None)
-            record, attempts = reply[1], int(reply[2])
-            job = job_of([record, None, attempts, None, None])
-            assert job is not None
             if outcome == Claimed.FINISHED:
                 return Claim(ClaimOutcome.FINISHED, job)
             if outcome == Claimed.RUN:
-                claimed = job.model_copy(
-                    update={
-                        "status": JobStatus.RUNNING,
-                        "started_at": started,
-                        "worker": self._worker_id,
-                    }
-                )
-                return Claim(ClaimOutcome.RUN, claimed)
+                return Claim(ClaimOutcome.RUN, job)
             if outcome == Claimed.EXHAUSTED:
                 exhausted = _exhausted(job, max_attempts)
                 assert exhausted is not None
-                written = self._write(exhausted, expect_attempts=attempts)
+                written = self._write(exhausted, expect_attempts=job.attempts)
                 if written == Advance.WRITTEN:
                     return Claim(ClaimOutcome.EXHAUSTED, exhausted)
                 continue  # someone wrote in between: decide again

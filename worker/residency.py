@@ -12,8 +12,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 from vllm.lora.request import LoRARequest
@@ -144,6 +144,10 @@ class EngineAdapters:
         # The engine's last answer, kept while nothing that could change it happened since.
         self._known: set[int] | None = None
         self._generation = 0
+        # Requests in the engine whose adapter was outside the last answer: until each has
+        # started, the engine may still load its adapter (evicting another), so no answer
+        # given meanwhile is kept.
+        self._unsettled = 0
 
     def _id_for(self, digest: str) -> int:
         with self._guard:
@@ -180,7 +184,7 @@ class EngineAdapters:
         except TimeoutError:
             raise late("asked the engine which adapters it holds") from None
         with self._guard:
-            if self._generation == generation:
+            if self._generation == generation and self._unsettled == 0:
                 self._known = answer
         return answer
 
@@ -190,13 +194,25 @@ class EngineAdapters:
             self._generation += 1
             self._known = None
 
-    def requesting(self, request: LoRARequest) -> None:
-        """A request for ``request``'s adapter is about to enter the engine, which loads the
-        adapter from its path if it dropped it (evicting another)."""
+    @contextmanager
+    def entering(self, request: LoRARequest) -> Iterator[None]:
+        """Around a request for ``request``'s adapter in the engine, which loads the adapter
+        from its path (evicting another) if it is not among those it holds, whenever it
+        schedules the request: no answer is kept until such a request has ended."""
         with self._guard:
-            known = self._known
-        if known is None or request.lora_int_id not in known:
-            self.changing()
+            unsettling = self._known is None or request.lora_int_id not in self._known
+            if unsettling:
+                self._unsettled += 1
+                self._generation += 1
+                self._known = None
+        try:
+            yield
+        finally:
+            if unsettling:
+                with self._guard:
+                    self._unsettled -= 1
+                    self._generation += 1
+                    self._known = None
 
     def observe(self, digest: str, registered: set[int]) -> Residency:
         """Residency of ``digest`` given the engine's ``registered`` ids (just asked)."""

@@ -282,19 +282,19 @@ class JobRunner:
         prompt_token_ids: list[int] = []
         token_ids: list[int] = []
         text: list[str] = []
-        self._adapters.requesting(lora)
         outputs = self._host.engine.generate(
             {"prompt": message.prompt}, params, request_id, lora_request=lora, **options
         )
         try:
-            async for output in outputs:
-                final = output
-                prompt_token_ids = list(output.prompt_token_ids or prompt_token_ids)
-                completion = output.outputs[0]
-                token_ids.extend(completion.token_ids)
-                text.append(completion.text)
-                if message.stream and completion.text:
-                    self._deltas.publish(message.job_id, attempt, completion.text)
+            with self._adapters.entering(lora):
+                async for output in outputs:
+                    final = output
+                    prompt_token_ids = list(output.prompt_token_ids or prompt_token_ids)
+                    completion = output.outputs[0]
+                    token_ids.extend(completion.token_ids)
+                    text.append(completion.text)
+                    if message.stream and completion.text:
+                        self._deltas.publish(message.job_id, attempt, completion.text)
         except EngineDeadError as exc:
             # Recorded here, before this job lets the next one into the engine.
             raise self._host.died(exc) from exc

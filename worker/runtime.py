@@ -45,7 +45,7 @@ from worker.reaper import Reaper
 from worker.registry import preload_sets
 from worker.residency import EngineAdapters
 from worker.runner import JobRunner
-from worker.script_batch import ScriptBatch
+from worker.script_batch import ScriptBatch, script_client
 from worker.streams import DeltaPublisher
 from worker.sweeper import DeadlineSweeper
 from worker.watchdog import EngineWatch
@@ -99,7 +99,7 @@ class WorkerRuntime:
         self.redis = sync_client(
             settings.redis_url, settings.redis_max_connections, decode_responses=True
         )
-        self.scripts = ScriptBatch(self.redis)
+        self.scripts = ScriptBatch(script_client(settings.redis_url))
         self.jobs = JobStore(
             self.redis,
             settings.job_ttl_s,

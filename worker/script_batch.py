@@ -6,6 +6,10 @@ each from each job's own thread, they cost more Python than the rest of the job'
 of CPU per job. Here one thread sends every call waiting at that moment in one pipeline,
 and the calling threads wait for their own replies: under load, one round trip serves many
 jobs; alone, a call costs a thread hand-off more than before.
+
+The batch has a client of its own whose reads time out (``SOCKET_TIMEOUT_S``): a Redis that
+stops answering fails the calls waiting on it, which their callers retry, instead of
+holding every job thread for ever.
 """
 
 from __future__ import annotations
@@ -21,9 +25,14 @@ from redis import Redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
+from contracts.redis_policy import sync_client
 from worker.background import Background
 
 log = logging.getLogger(__name__)
+
+SOCKET_TIMEOUT_S = 10.0
+"""Longest wait for a batch's replies: far beyond any batch's time in a Redis that works
+(a script call takes microseconds there), short against a job's deadline."""
 
 
 @dataclass
@@ -35,7 +44,10 @@ class _Call:
 
 
 class ScriptBatch:
-    """Runs ``Script`` calls from any thread; ``start`` it once, ``close`` it at shutdown."""
+    """Runs ``Script`` calls from any thread; ``start`` it once, ``close`` it at shutdown.
+
+    ``redis`` is the batch's own client (one connection is all it uses), with a socket
+    timeout: ``script_client`` makes one."""
 
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
@@ -51,6 +63,11 @@ class ScriptBatch:
             self._sender.stopping.set()
             self._cond.notify_all()
         self._sender.close()
+        with self._cond:  # the sender never started, or gave up: nobody will send these
+            left, self._pending = self._pending, []
+        for call in left:
+            call.reply.set_exception(RuntimeError("the script batch closed before sending this"))
+        self._redis.close()
 
     def call(self, script: Script, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """``script(keys, args)``'s reply, or the error Redis gave it (a connection error
@@ -80,26 +97,43 @@ class ScriptBatch:
 
     def _send(self, batch: list[_Call]) -> None:
         replies = self._pipeline(batch)
-        unknown = [call for call, reply in zip(batch, replies, strict=True) if _noscript(reply)]
-        if unknown:
-            # A restarted (or another) server: load what it lacks, then send those again.
-            for script in {call.script.sha: call.script for call in unknown}.values():
-                script.sha = self._redis.script_load(script.script)
-            again = dict(zip(map(id, unknown), self._pipeline(unknown), strict=True))
-            replies = [
-                again.get(id(call), reply) for call, reply in zip(batch, replies, strict=True)
-            ]
+        unknown = []
         for call, reply in zip(batch, replies, strict=True):
-            if isinstance(reply, Exception):
-                call.reply.set_exception(reply)
-            else:
-                call.reply.set_result(reply)
+            if _noscript(reply):
+                unknown.append(call)
+            else:  # answered now, whatever happens to the others
+                _settle(call, reply)
+        if not unknown:
+            return
+        # A restarted (or another) server: load what it lacks, then send those again.
+        for script in {call.script.sha: call.script for call in unknown}.values():
+            script.sha = self._redis.script_load(script.script)
+        for call, reply in zip(unknown, self._pipeline(unknown), strict=True):
+            _settle(call, reply)
 
     def _pipeline(self, calls: list[_Call]) -> list[Any]:
         pipe = self._redis.pipeline(transaction=False)
         for call in calls:
             pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
         return pipe.execute(raise_on_error=False)
+
+
+def script_client(url: str) -> Redis:
+    """A client for a ``ScriptBatch``: one connection, reads bounded by ``SOCKET_TIMEOUT_S``."""
+    return sync_client(
+        url,
+        max_connections=2,
+        decode_responses=True,
+        socket_timeout=SOCKET_TIMEOUT_S,
+        socket_connect_timeout=SOCKET_TIMEOUT_S,
+    )
+
+
+def _settle(call: _Call, reply: Any) -> None:
+    if isinstance(reply, Exception):
+        call.reply.set_exception(reply)
+    else:
+        call.reply.set_result(reply)
 
 
 def _noscript(reply: Any) -> bool:

@@ -6,10 +6,19 @@ import time
 import uuid
 from datetime import UTC, datetime
 
+import pytest
 from redis import Redis
 
 from contracts import admission
-from contracts.job_records import ADVANCE, advance_call
+from contracts.batches import BatchLine, BatchRecord
+from contracts.job_records import (
+    ADVANCE,
+    CLAIM,
+    WITHDRAWN_TTL_S,
+    Advance,
+    advance_call,
+    claim_call,
+)
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import job_key, rate_key, tenant_ledger_key, tier_ledger_key
 from contracts.queues import Tier, queue_for
@@ -77,7 +86,7 @@ def test_withdraw_refunds_the_rate_token_once(redis: Redis) -> None:
         redis.register_script(admission.WITHDRAW)(keys=keys, args=args)
     refunded = float(redis.hget(rate_key(tenant), "tokens"))  # type: ignore[arg-type]
     assert refunded == spent + 1
-    assert not redis.exists(job_key(job.id))
+    assert redis.hgetall(job_key(job.id)) == {"status": "withdrawn"}  # no record: a tombstone
     assert _held(redis, tenant) == 0
 
 
@@ -98,3 +107,62 @@ def test_an_admission_run_twice_admits_enqueues_and_spends_once(redis: Redis) ->
         assert _held(redis, tenant) == 1
     finally:
         redis.lrem(queue, 0, "m")
+
+
+def test_an_admission_that_arrives_after_its_withdrawal_admits_and_enqueues_nothing(
+    redis: Redis,
+) -> None:
+    """A reply lost to a timeout: the gateway withdraws on another connection, and the first
+    connection's ADMIT, still waiting in Redis's input, runs after it. It must find the
+    withdrawal and do nothing (before the tombstone it admitted and enqueued a job its caller
+    had been answered 503 for)."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    job = _job(tenant)
+    queue = queue_for(job.tier)
+    before = int(redis.llen(queue))  # type: ignore[arg-type]
+    keys, args = admission.withdraw_call(job, LIMITS.burst)
+    assert redis.register_script(admission.WITHDRAW)(keys=keys, args=args) == 0
+    keys, args = admission.admit_call(job, time.time() + 60, LIMITS, 60, message="late")
+    with pytest.raises(admission.AdmissionWithdrawn):
+        admission.verdict(redis.register_script(admission.ADMIT)(keys=keys, args=args))
+    assert int(redis.llen(queue)) == before  # type: ignore[arg-type]
+    assert _held(redis, tenant) == 0
+    assert not redis.exists(rate_key(tenant))  # no token taken
+    assert redis.hget(job_key(job.id), "record") is None
+    # Nothing claims or writes a withdrawn job.
+    claim_keys, claim_args = claim_call(job.id, "w:1:a", datetime.now(tz=UTC), 3, False, 60, 60)
+    assert redis.register_script(CLAIM)(keys=claim_keys, args=claim_args) == ["missing"]
+    done = job.model_copy(update={"status": JobStatus.SUCCEEDED})
+    keys, args = advance_call(done, 60)
+    assert Advance(int(redis.register_script(ADVANCE)(keys=keys, args=args))) == Advance.MISSING
+    assert 0 < int(redis.ttl(job_key(job.id))) <= WITHDRAWN_TTL_S  # type: ignore[arg-type]
+
+
+def test_a_batch_admission_that_arrives_after_its_withdrawal_admits_nothing(
+    redis: Redis,
+) -> None:
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    jobs = [_job(tenant) for _ in range(3)]
+    batch = BatchRecord(
+        id=f"batch_{uuid.uuid4().hex}",
+        tenant=tenant,
+        endpoint="/v1/jobs",
+        created_at=int(time.time()),
+        expires_at=int(time.time() + 60),
+    )
+    lines = [
+        BatchLine(custom_id=str(n), job_id=job.id, endpoint="/v1/jobs", model="a")
+        for n, job in enumerate(jobs)
+    ]
+    limits = admission.BatchLimits(
+        tenant_max=10, rate_per_s=1000.0, burst=1000, tier_max=dict.fromkeys(Tier, 100)
+    )
+    keys, args = admission.withdraw_batch_call(batch, jobs, limits.burst)
+    assert redis.register_script(admission.WITHDRAW_BATCH)(keys=keys, args=args) == 0
+    keys, args = admission.admit_batch_call(
+        batch, jobs, lines, time.time() + 60, limits, 60, messages=["m"] * 3
+    )
+    with pytest.raises(admission.AdmissionWithdrawn):
+        admission.batch_verdict(redis.register_script(admission.ADMIT_BATCH)(keys=keys, args=args))
+    assert _held(redis, tenant) == 0
+    assert not any(redis.exists(job_key(job.id)) for job in jobs)

@@ -27,6 +27,7 @@ from gateway.config import GatewaySettings
 from lorafleet.processes import free_port
 from lorafleet.stack import CPU_ENGINE_DEFAULTS, LocalStack
 from lorafleet.tenants import Tenants
+from tests.helpers import job_records
 from worker import model_card
 
 PRIVATE_DB = 1
@@ -36,7 +37,7 @@ def admitted_state(redis: Redis, tenant: str) -> dict[str, int]:
     """Everything an admission (job or batch) or an upload can leave behind, counted; a
     refusal must leave all of it at zero."""
     return {
-        "records": len(list(redis.scan_iter("lorafleet:job:*"))),
+        "records": job_records(redis),
         "batches": len(list(redis.scan_iter("lorafleet:batch:*"))),
         "idempotency_keys": len(list(redis.scan_iter("lorafleet:idem:*"))),
         "files": len(list(redis.scan_iter("lorafleet:file:*"))),

@@ -19,6 +19,7 @@ from contracts.registry import AdapterRecord
 from lorafleet.client import auth_headers
 from lorafleet.stack import LocalStack
 from tests.gateway.conftest import PRIVATE_DB
+from tests.helpers import job_records
 from tests.sockets import hang, slow_replies, tcp_server
 
 
@@ -33,7 +34,7 @@ def _job(adapter: str, prompt: str = "hello") -> dict[str, Any]:
 def _state(redis: Redis, tenant: str) -> dict[str, int]:
     """Everything an admission leaves behind."""
     return {
-        "records": len(list(redis.scan_iter("lorafleet:job:*"))),
+        "records": job_records(redis),
         "tier_ledger": int(redis.zcard(tier_ledger_key(Tier.COLD.value))),  # type: ignore[arg-type]
         "tenant_ledger": int(redis.zcard(tenant_ledger_key(tenant))),  # type: ignore[arg-type]
         "queued": int(redis.llen(queue_for(Tier.COLD))),  # type: ignore[arg-type]

@@ -13,10 +13,11 @@ from contracts.queues import queue_for
 from contracts.registry import AdapterRecord
 from gateway.app import create_app
 from gateway.config import GatewaySettings
+from tests.helpers import job_records
 
 
 def _job_keys(redis: Redis) -> int:
-    return len(list(redis.scan_iter("lorafleet:job:*")))
+    return job_records(redis)
 
 
 def test_health_and_readiness(gateway_url: str) -> None:

@@ -17,7 +17,7 @@ from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import job_key, stream_key
 from contracts.redis_policy import async_client
 from gateway import streams
-from gateway.streams import StreamDiverged, StreamHub, _Dedup
+from gateway.streams import StreamDiverged, StreamHub, _Dedup, reader_client
 from gateway.waiter import JobWaiter
 from lorafleet.stack import LocalStack
 from tests.helpers import new_job
@@ -62,12 +62,7 @@ class Hub:
         self._events = AsyncRedis.from_url(
             self._url, decode_responses=True, client_name=f"{self.name}-events"
         )
-        self._reader = AsyncRedis.from_url(
-            self._url,
-            decode_responses=True,
-            single_connection_client=True,
-            client_name=f"{self.name}-reader",
-        )
+        self._reader = reader_client(self._url, 5, client_name=f"{self.name}-reader")
         self.waiter = JobWaiter(self._events, recheck_s=self._recheck_s)
         self.waiter.start()
         self.hub = StreamHub(self._reader, self.pool, self.waiter)
@@ -154,6 +149,43 @@ def test_a_job_that_ends_without_streaming_ends_its_follower_through_its_event(
         items = reading.result(timeout=120)
     assert len(items) == 1
     assert isinstance(items[0], JobPublic) and items[0].status == JobStatus.FAILED
+
+
+def test_a_job_that_ended_before_its_follower_came_ends_it_at_once(
+    infra: LocalStack, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job failed, with no stream, before the request began to follow it: its event went
+    to nobody and no end marker will come. The follower looks at the record when it starts
+    (it would otherwise wait out its recheck, 600 s here)."""
+    monkeypatch.setattr(streams, "BLOCK_MS", 0)
+    job = _running(redis)
+    _finish(redis, job, JobStatus.FAILED)
+    with Hub(infra.redis_url) as hub:
+        items = hub.follow(job).result(timeout=60)
+    assert len(items) == 1
+    assert isinstance(items[0], JobPublic) and items[0].status == JobStatus.FAILED
+
+
+def test_two_requests_follow_one_stream_and_each_reads_all_of_it(
+    infra: LocalStack, redis: Redis
+) -> None:
+    """A replayed request (the same idempotency key) follows the job its first copy follows:
+    the second joins midway and still reads the text from its start; each gets every delta
+    once."""
+    job = _running(redis)
+    with Hub(infra.redis_url) as hub:
+        first = hub.follow(job)
+        time.sleep(0.5)
+        _write(redis, job, "one ", "two ")
+        time.sleep(0.5)  # the first has read those
+        second = hub.follow(job)
+        time.sleep(0.5)
+        _write(redis, job, "three")
+        _finish(redis, job)
+        results = [reading.result(timeout=120) for reading in (first, second)]
+    for items in results:
+        assert "".join(str(item) for item in items[:-1]) == "one two three"
+        assert isinstance(items[-1], JobPublic) and items[-1].status == JobStatus.SUCCEEDED
 
 
 def test_hundreds_of_streams_are_read_over_one_connection_beside_a_small_pool(

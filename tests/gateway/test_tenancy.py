@@ -14,6 +14,7 @@ from contracts.tenants import TenantLimits
 from lorafleet.client import auth_headers
 from lorafleet.registry import Registry
 from lorafleet.tenants import Tenants
+from tests.helpers import job_records
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def _client(gateway_url: str, key: str) -> httpx.Client:
 
 
 def _job_count(redis: Redis) -> int:
-    return len(list(redis.scan_iter("lorafleet:job:*")))
+    return job_records(redis)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from contracts.registry import AdapterRecord
 from contracts.webhooks import DeliveryState, IPAddress, job_event_id
 from gateway import webhooks as gateway_webhooks
 from lorafleet.client import auth_headers
+from tests.helpers import job_records
 from tests.sockets import tcp_server
 from worker.webhooks.config import WebhookSettings
 from worker.webhooks.deliver import Deliverer
@@ -87,7 +88,7 @@ def test_each_forbidden_callback_is_refused_at_submission_and_enqueues_nothing(
         allowed = {"adapter": _cold(published), "prompt": "hi"}
         allowed["webhook"] = {"url": "https://hooks.example.test/x"}  # type: ignore[assignment]
         assert http.post("/v1/jobs", json=allowed).status_code == 202
-    assert len(list(private_redis.scan_iter("lorafleet:job:*"))) == 1
+    assert job_records(private_redis) == 1
 
 
 def test_a_host_rebound_to_loopback_after_submission_is_never_connected_to(

@@ -19,7 +19,7 @@ from contracts.webhooks import batch_event_id
 from lorafleet.client import auth_headers
 from lorafleet.fixtures import AdapterSpec
 from lorafleet.tenants import Tenants
-from tests.helpers import LONG_SAMPLING, hot_alias
+from tests.helpers import LONG_SAMPLING, hot_alias, job_records
 from tests.oracle import PeftOracle
 from tests.receiver import receiving
 
@@ -111,7 +111,7 @@ def test_a_batch_with_bad_lines_is_refused_whole_with_line_numbers(
         {**good, "sampling": {"temperature": 7}},
         {**good, "custom_id": "1"},  # the first line's implicit id
     ]
-    jobs_before = len(list(redis.scan_iter("lorafleet:job:*")))
+    jobs_before = job_records(redis)
     batches_before = len(list(redis.scan_iter("lorafleet:batch:*")))
     refused = http.post("/v1/batches", json={"requests": lines})
     assert refused.status_code == 422
@@ -127,7 +127,7 @@ def test_a_batch_with_bad_lines_is_refused_whole_with_line_numbers(
     assert "prompt" in error["details"][0]["message"]
     assert "sampling.temperature" in error["details"][2]["message"]
     assert "used twice" in error["details"][3]["message"]
-    assert len(list(redis.scan_iter("lorafleet:job:*"))) == jobs_before
+    assert job_records(redis) == jobs_before
     assert len(list(redis.scan_iter("lorafleet:batch:*"))) == batches_before
 
     jsonl = b'{"adapter": "x", "prompt": "hi"}\n{not json\n'

@@ -15,6 +15,7 @@ from tests.helpers import (
     assert_engine_drains,
     fresh_heartbeat,
     hot_alias,
+    job_records,
     paused,
     submit_job,
     wait_job,
@@ -25,7 +26,7 @@ from tests.helpers import (
 def test_deadline_above_the_fleet_limit_is_refused(
     api: httpx.Client, redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
-    before = len(list(redis.scan_iter("lorafleet:job:*")))
+    before = job_records(redis)
     response = api.post(
         "/v1/jobs",
         json={
@@ -37,7 +38,7 @@ def test_deadline_above_the_fleet_limit_is_refused(
     assert response.status_code == 422
     assert response.json()["error"]["code"] == "validation_error"
     assert "deadline_s" in response.json()["error"]["message"]
-    assert len(list(redis.scan_iter("lorafleet:job:*"))) == before
+    assert job_records(redis) == before
 
 
 def test_generation_past_its_deadline_is_aborted_in_the_engine(

@@ -31,6 +31,7 @@ from lorafleet.publish import Publisher
 from lorafleet.registry import Registry, RegistryError
 from lorafleet.stack import LOCAL_AWS, LocalStack
 from lorafleet.tenants import Tenants
+from tests.helpers import job_records
 from worker.registry import preload_sets
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,7 +88,7 @@ def _job(adapter: str) -> dict[str, Any]:
 def _enqueued(redis: Redis) -> tuple[int, int]:
     """Job records and queued messages: what an admission leaves behind."""
     queued = sum(int(redis.llen(queue_for(tier))) for tier in Tier)  # type: ignore[arg-type]
-    return len(list(redis.scan_iter("lorafleet:job:*"))), queued
+    return job_records(redis), queued
 
 
 def test_the_gateway_lists_and_admits_the_others_and_refuses_only_the_bad_one(

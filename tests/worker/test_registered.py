@@ -3,7 +3,8 @@ stand-in that answers ``list_loras`` and counts the questions).
 
 Every job used to ask (a round trip through the engine core); now the answer is kept until
 something that could change it happened: a load, a pin, or a request naming an adapter
-outside the answer (the engine loads that one from its path, evicting another).
+outside the answer (the engine loads that one from its path, evicting another, when it
+schedules the request: no answer is kept until that request has ended).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def _request(lora_id: int) -> LoRARequest:
 def test_the_answer_is_kept_while_nothing_could_change_it() -> None:
     adapters, engine = _adapters()
     assert adapters.registered() == {1, 2}
-    adapters.requesting(_request(2))  # held: the engine loads nothing for it
+    with adapters.entering(_request(2)):  # held: the engine loads nothing for it
+        assert adapters.registered() == {1, 2}
     assert adapters.registered() == {1, 2}
     assert engine.questions == 1
 
@@ -62,8 +64,8 @@ def test_the_answer_is_kept_while_nothing_could_change_it() -> None:
 def test_a_load_or_a_request_for_an_adapter_outside_the_answer_asks_again() -> None:
     adapters, engine = _adapters()
     adapters.registered()
-    engine.held = {2, 3}  # the engine loads 3 for a request naming it, dropping 1
-    adapters.requesting(_request(3))
+    with adapters.entering(_request(3)):
+        engine.held = {2, 3}  # the engine loads 3 for a request naming it, dropping 1
     assert adapters.registered() == {2, 3}
     adapters.changing()  # add_lora or a pin
     engine.held = {3, 4}
@@ -86,3 +88,18 @@ def test_an_answer_that_may_predate_a_change_is_used_once_and_not_kept() -> None
     engine.held = {1, 2, 5}
     assert adapters.registered() == {1, 2, 5}  # asked again, not the earlier answer
     assert engine.questions == 2
+
+
+def test_no_answer_is_kept_while_a_request_that_may_load_an_adapter_has_not_ended() -> None:
+    """The engine loads a requested adapter when it schedules the request, which may be
+    after a question answered meanwhile: that answer (without it, and with the adapter it
+    will evict) is used once, not kept."""
+    adapters, engine = _adapters()
+    adapters.registered()
+    with adapters.entering(_request(3)):
+        assert adapters.registered() == {1, 2}  # asked: 3 not loaded yet
+        engine.held = {2, 3}  # scheduled now: 3 loaded, 1 evicted
+        assert adapters.registered() == {2, 3}  # asked again, not the answer before
+    assert adapters.registered() == {2, 3}  # ended: asked once more, then kept
+    assert adapters.registered() == {2, 3}
+    assert engine.questions == 4
