@@ -57,14 +57,17 @@ end
 """Lua: take one token from a tenant's bucket (refilled at ``rate``/s up to ``burst``);
 ``nil`` if taken, else the seconds until one is there."""
 
+_WITHDRAWN_LUA = f"local WITHDRAWN = '{WITHDRAWN}'\n"
+
 ADMIT = (
     REFUSE_WHEN_FULL
     + TAKE_TOKEN_LUA
+    + _WITHDRAWN_LUA
     + """
 -- Run again (a client retrying after its reply was lost): admitted already, and only once;
 -- or withdrawn meanwhile (this copy waited in Redis's input after its caller gave up).
 local was = redis.call('HGET', KEYS[4], 'status')
-if was == '""" + WITHDRAWN + """' then return {'withdrawn', '0'} end
+if was == WITHDRAWN then return {'withdrawn', '0'} end
 if was then return {'admitted', '0'} end
 local now_t = redis.call('TIME')
 local now = tonumber(now_t[1]) + tonumber(now_t[2]) / 1e6
@@ -187,6 +190,7 @@ def verdict(reply: list[str]) -> Verdict:
 ADMIT_BATCH = (
     REFUSE_WHEN_FULL
     + TAKE_TOKEN_LUA
+    + _WITHDRAWN_LUA
     + """
 -- KEYS: 1 tenant ledger, 2 rate bucket, 3 batch hash, 4 batch lines, 5..7 tier ledgers (hot,
 -- warm, cold), 8 deadline index, 9..11 tier queues (or a placeholder), 12.. one job key per
@@ -195,7 +199,7 @@ ADMIT_BATCH = (
 -- job: id, tier index (0..2), record, line, queue message ('' if published elsewhere).
 -- Run again (a client retrying after its reply was lost): admitted already, and only once;
 -- or withdrawn meanwhile (this copy waited in Redis's input after its caller gave up).
-if redis.call('HEXISTS', KEYS[3], '""" + WITHDRAWN + """') == 1 then return {'withdrawn', '0'} end
+if redis.call('HEXISTS', KEYS[3], WITHDRAWN) == 1 then return {'withdrawn', '0'} end
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'admitted', '0'} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -242,13 +246,15 @@ return {'admitted', '0'}
 all; the batch takes one token of the rate bucket (it is one request). When the queues
 live in the same Redis, the jobs' messages are pushed in the same step, in order."""
 
-WITHDRAW_BATCH = """
+WITHDRAW_BATCH = (
+    _WITHDRAWN_LUA
+    + """
 -- KEYS: as ADMIT_BATCH's. ARGV: 1 burst, 2 tombstone ttl (s), 3.. job ids.
 local admitted = redis.call('EXISTS', KEYS[3]) == 1
-  and redis.call('HEXISTS', KEYS[3], '""" + WITHDRAWN + """') == 0
+  and redis.call('HEXISTS', KEYS[3], WITHDRAWN) == 0
 -- The batch's key becomes a tombstone, so that an ADMIT_BATCH still on its way is refused.
 redis.call('DEL', KEYS[3])
-redis.call('HSET', KEYS[3], '""" + WITHDRAWN + """', 1)
+redis.call('HSET', KEYS[3], WITHDRAWN, 1)
 redis.call('EXPIRE', KEYS[3], ARGV[2])
 if not admitted then return 0 end
 for i = 3, #ARGV do
@@ -264,6 +270,7 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
 end
 return 1
 """
+)
 """Undo a batch whose admission's reply was lost or whose enqueue failed: no records, no
 ledger entries, no batch, token back, and the batch id closed to a late ``ADMIT_BATCH``.
 Messages already published find no record and are dropped by the workers."""

@@ -82,7 +82,11 @@ ADVANCE = (
 local function terminal(s) return {_TERMINAL_LUA} end
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or status == '{WITHDRAWN}' then return -1 end
-if terminal(status) then return 0 end
+if terminal(status) then
+  -- This very write, sent again (its reply was lost): it was written, by this call.
+  if status == ARGV[1] and redis.call('HGET', KEYS[1], 'record') == ARGV[2] then return 1 end
+  return 0
+end
 if ARGV[4] ~= '' and (redis.call('HGET', KEYS[1], 'attempts') or '0') ~= ARGV[4] then
   return -2
 end
@@ -135,6 +139,12 @@ local fields = redis.call('HMGET', KEYS[1], 'record', 'attempts', 'started_at', 
 local record, attempts = fields[1], tonumber(fields[2] or '0')
 -- As it stands (job_of's fields), for the caller to write from if it may not run.
 local current = {{record, status, attempts, fields[3], fields[4]}}
+-- This very call, sent again (its reply was lost to a timeout or a dropped connection): it
+-- ran, so it answers as it did. Its start time and worker are unique to the call.
+if status == '{JobStatus.RUNNING.value}' and fields[3] == ARGV[5] and fields[4] == ARGV[1]
+  and redis.call('GET', KEYS[2]) == ARGV[1] .. '|' .. attempts then
+  return {{'run', unpack(current)}}
+end
 if terminal(status) then return {{'finished', unpack(current)}} end
 if redis.call('EXISTS', KEYS[2]) == 1 then return {{'leased', unpack(current)}} end
 if status == '{JobStatus.RUNNING.value}' and ARGV[6] == '1' then

@@ -1,8 +1,9 @@
 """``Idempotency-Key``: the same key and body within the TTL is the same job, once.
 
 The first request reserves the key (``SET NX``) as *pending* with the job id it is about to
-admit, and marks it *done* once the job is enqueued; if admission fails it deletes the key,
-so a retry admits afresh. A duplicate that finds the key pending waits for one of the two.
+admit, and marks it *done* once the job is enqueued; if admission is refused, or withdrawn
+(its reply lost, its request cut short), it deletes the key, if it still holds it, so a
+retry admits afresh. A duplicate that finds the key pending waits for one of the two.
 A pending reservation lives only ``PENDING_TTL_S``: a gateway that dies mid-admission can't
 block the key for a day (the cost: if it died after enqueueing, a retry after that window
 admits a second job).
@@ -80,5 +81,14 @@ class IdempotencyKeys:
         entry = Entry(fingerprint=fingerprint, job_id=job_id, state=State.DONE)
         await self._redis.set(self._key, entry.model_dump_json(), ex=self._ttl_s)
 
-    async def release(self) -> None:
-        await self._redis.delete(self._key)
+    async def release(self, job_id: str) -> None:
+        """Let go of the reservation for ``job_id``, unless it lapsed and is someone else's
+        now (a late release after ``PENDING_TTL_S`` must not free a later request's key)."""
+        await self._redis.eval(_RELEASE, 1, self._key, job_id)  # type: ignore[misc]
+
+
+_RELEASE = """
+local entry = redis.call('GET', KEYS[1])
+if entry and cjson.decode(entry)['job_id'] == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""

@@ -190,7 +190,7 @@ class Submitter:
             # waits for the reservation to lapse rather than admit the job a second time.)
             if keys is not None:
                 with contextlib.suppress(RedisError, OSError):
-                    await asyncio.shield(keys.release())
+                    await asyncio.shield(keys.release(job_id))
             raise
         return Admitted(job=job, replayed=False), keys
 
@@ -400,6 +400,9 @@ class Submitter:
             )
             verdict = admission.verdict(await self._admit_script(keys=keys, args=args))
             if verdict.refusal is not None:
+                if idempotency is not None:  # also when its request was cut short meanwhile
+                    with contextlib.suppress(RedisError, OSError):
+                        await idempotency.release(job.id)
                 raise refusal_error(
                     verdict, limits, job.tenant, job.tier, self._settings.admission_retry_after_s
                 )
@@ -408,7 +411,7 @@ class Submitter:
             keys, args = admission.withdraw_call(job, limits.burst)
             await self._withdraw_script(keys=keys, args=args)
             if idempotency is not None:
-                await idempotency.release()
+                await idempotency.release(job.id)
 
         async def enqueue() -> None:
             if not self.queues.inline:

@@ -144,10 +144,10 @@ class EngineAdapters:
         # The engine's last answer, kept while nothing that could change it happened since.
         self._known: set[int] | None = None
         self._generation = 0
-        # Requests in the engine whose adapter was outside the last answer: until each has
-        # started, the engine may still load its adapter (evicting another), so no answer
-        # given meanwhile is kept.
-        self._unsettled = 0
+        # Adapter ids of the requests in the engine now. An answer lacking one of them is
+        # not kept: the engine loads that adapter when it schedules its request, evicting
+        # another, so the answer is about to change.
+        self._in_engine: Counter[int] = Counter()
 
     def _id_for(self, digest: str) -> int:
         with self._guard:
@@ -171,8 +171,10 @@ class EngineAdapters:
 
         The engine's set changes only when it is asked to load an adapter (``add_lora``, a pin,
         or a request naming an adapter it does not hold, which it loads from its path): its
-        answer is kept until one of those happens (``changing``), and asked again after, no
-        earlier than this call; concurrent callers share one question to the engine. Past
+        answer is kept until one of those happens (``changing``, ``entering``), and asked again
+        after, no earlier than this call; concurrent callers share one question to the engine.
+        An answer that lacks the adapter of a request in the engine is used once, not kept
+        (the engine loads it when it schedules that request, not when it is handed it). Past
         ``deadline_at`` (unix time) waiting for the answer fails ``deadline_exceeded``.
         """
         with self._guard:
@@ -184,7 +186,7 @@ class EngineAdapters:
         except TimeoutError:
             raise late("asked the engine which adapters it holds") from None
         with self._guard:
-            if self._generation == generation and self._unsettled == 0:
+            if self._generation == generation and self._in_engine.keys() <= answer:
                 self._known = answer
         return answer
 
@@ -197,22 +199,22 @@ class EngineAdapters:
     @contextmanager
     def entering(self, request: LoRARequest) -> Iterator[None]:
         """Around a request for ``request``'s adapter in the engine, which loads the adapter
-        from its path (evicting another) if it is not among those it holds, whenever it
-        schedules the request: no answer is kept until such a request has ended."""
+        from its path (evicting another) if it is not among those it holds when it schedules
+        the request: a kept answer without it is forgotten, and no answer without it is kept
+        until the request has ended."""
+        lora_id = request.lora_int_id
         with self._guard:
-            unsettling = self._known is None or request.lora_int_id not in self._known
-            if unsettling:
-                self._unsettled += 1
+            self._in_engine[lora_id] += 1
+            if self._known is not None and lora_id not in self._known:
                 self._generation += 1
                 self._known = None
         try:
             yield
         finally:
-            if unsettling:
-                with self._guard:
-                    self._unsettled -= 1
-                    self._generation += 1
-                    self._known = None
+            with self._guard:
+                self._in_engine[lora_id] -= 1
+                if not self._in_engine[lora_id]:
+                    del self._in_engine[lora_id]
 
     def observe(self, digest: str, registered: set[int]) -> Residency:
         """Residency of ``digest`` given the engine's ``registered`` ids (just asked)."""

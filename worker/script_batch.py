@@ -21,11 +21,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis import Redis
+from redis import BlockingConnectionPool, Redis
+from redis.backoff import NoBackoff
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
+from redis.retry import Retry
 
-from contracts.redis_policy import sync_client
 from worker.background import Background
 
 log = logging.getLogger(__name__)
@@ -118,15 +119,21 @@ class ScriptBatch:
         return pipe.execute(raise_on_error=False)
 
 
-def script_client(url: str) -> Redis:
-    """A client for a ``ScriptBatch``: one connection, reads bounded by ``SOCKET_TIMEOUT_S``."""
-    return sync_client(
+def script_client(url: str, timeout_s: float = SOCKET_TIMEOUT_S) -> Redis:
+    """A client for a ``ScriptBatch``: reads bounded by ``timeout_s``, and no retry of
+    its own. A pipeline retried after a timeout would run every script in it twice; the
+    callers retry instead, call by call, and their scripts know a resend of themselves
+    (``CLAIM``) or answer it harmlessly (``ADVANCE``: written already)."""
+    pool = BlockingConnectionPool.from_url(
         url,
         max_connections=2,
+        timeout=timeout_s,
         decode_responses=True,
-        socket_timeout=SOCKET_TIMEOUT_S,
-        socket_connect_timeout=SOCKET_TIMEOUT_S,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
     )
+    return Redis.from_pool(pool)
 
 
 def _settle(call: _Call, reply: Any) -> None:

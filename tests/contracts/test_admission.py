@@ -14,13 +14,21 @@ from contracts.batches import BatchLine, BatchRecord
 from contracts.job_records import (
     ADVANCE,
     CLAIM,
+    WITHDRAWN,
     WITHDRAWN_TTL_S,
     Advance,
     advance_call,
     claim_call,
 )
 from contracts.jobs import JobPublic, JobStatus
-from contracts.keys import job_key, rate_key, tenant_ledger_key, tier_ledger_key
+from contracts.keys import (
+    batch_jobs_key,
+    batch_key,
+    job_key,
+    rate_key,
+    tenant_ledger_key,
+    tier_ledger_key,
+)
 from contracts.queues import Tier, queue_for
 
 LIMITS = admission.Limits(tier_max=100, tenant_max=2, rate_per_s=1000.0, burst=1000)
@@ -166,3 +174,54 @@ def test_a_batch_admission_that_arrives_after_its_withdrawal_admits_nothing(
         admission.batch_verdict(redis.register_script(admission.ADMIT_BATCH)(keys=keys, args=args))
     assert _held(redis, tenant) == 0
     assert not any(redis.exists(job_key(job.id)) for job in jobs)
+
+
+def test_a_withdrawn_batch_leaves_no_record_no_ledger_entry_and_its_token_back(
+    redis: Redis,
+) -> None:
+    """Admitted (records, lines, ledger entries, messages pushed, one token), then withdrawn:
+    every job key and the lines go, the ledger is empty, the token is refunded, and the
+    batch's key is a tombstone. The messages stay in the queue: the worker finds no record
+    for them and drops them."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    jobs = [_job(tenant) for _ in range(3)]
+    batch = BatchRecord(
+        id=f"batch_{uuid.uuid4().hex}",
+        tenant=tenant,
+        endpoint="/v1/jobs",
+        created_at=int(time.time()),
+        expires_at=int(time.time() + 60),
+    )
+    lines = [
+        BatchLine(custom_id=str(n), job_id=job.id, endpoint="/v1/jobs", model="a")
+        for n, job in enumerate(jobs)
+    ]
+    limits = admission.BatchLimits(
+        tenant_max=10, rate_per_s=1000.0, burst=5, tier_max=dict.fromkeys(Tier, 100)
+    )
+    queue = queue_for(jobs[0].tier)
+    before = int(redis.llen(queue))  # type: ignore[arg-type]
+    messages = [f"m-{job.id}" for job in jobs]
+    keys, args = admission.admit_batch_call(
+        batch, jobs, lines, time.time() + 60, limits, 60, messages=messages
+    )
+    try:
+        reply = redis.register_script(admission.ADMIT_BATCH)(keys=keys, args=args)
+        assert admission.batch_verdict(reply)[0].refusal is None
+        assert all(redis.hexists(job_key(job.id), "record") for job in jobs)
+        assert _held(redis, tenant) == 3
+        assert float(redis.hget(rate_key(tenant), "tokens")) == 4  # type: ignore[arg-type]
+        assert int(redis.llen(queue)) == before + 3  # type: ignore[arg-type]
+        keys, args = admission.withdraw_batch_call(batch, jobs, limits.burst)
+        assert redis.register_script(admission.WITHDRAW_BATCH)(keys=keys, args=args) == 1
+        assert not any(redis.exists(job_key(job.id)) for job in jobs)
+        assert not redis.exists(batch_jobs_key(batch.id))
+        assert _held(redis, tenant) == 0
+        assert float(redis.hget(rate_key(tenant), "tokens")) == 5  # type: ignore[arg-type]
+        assert redis.hgetall(batch_key(batch.id)) == {WITHDRAWN: "1"}
+        # Withdrawn twice (the undo retried): nothing more is refunded.
+        assert redis.register_script(admission.WITHDRAW_BATCH)(keys=keys, args=args) == 0
+        assert float(redis.hget(rate_key(tenant), "tokens")) == 5  # type: ignore[arg-type]
+    finally:
+        for message in messages:
+            redis.lrem(queue, 0, message)

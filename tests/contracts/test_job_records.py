@@ -35,10 +35,14 @@ def test_terminal_states_are_final_and_published_once(redis: Redis) -> None:
     assert _advance(redis, running, expect=0) == Advance.WRITTEN
     done = running.model_copy(update={"status": JobStatus.SUCCEEDED})
     assert _advance(redis, done) == Advance.WRITTEN
-    for late in (JobStatus.FAILED, JobStatus.RUNNING, JobStatus.CANCELLED, JobStatus.SUCCEEDED):
+    for late in (JobStatus.FAILED, JobStatus.RUNNING, JobStatus.CANCELLED):
         assert _advance(redis, done.model_copy(update={"status": late})) == (
             Advance.ALREADY_FINISHED
         )
+    # The same write sent again (its reply was lost): it was written, once.
+    assert _advance(redis, done) == Advance.WRITTEN
+    other = done.model_copy(update={"error": None, "worker": "someone-else"})
+    assert _advance(redis, other) == Advance.ALREADY_FINISHED
     assert redis.hget(job_key(job.id), "status") == "succeeded"
     assert redis.hget(job_key(job.id), "attempts") == "1"
     published = []

@@ -70,6 +70,23 @@ def test_a_second_delivery_cannot_claim_while_the_first_attempt_holds_the_lease(
     assert _renew(redis, running, "w1:1:a")
 
 
+def test_a_claim_sent_again_after_its_reply_was_lost_answers_run_once_counted(
+    redis: Redis,
+) -> None:
+    """A worker's claim timed out and is sent again as it was: it had run, so the resend
+    answers ``run`` (not ``leased`` by the worker's own lease, which would leave the job to
+    wait out that lease and spend an attempt), and counts no second attempt. Another claim,
+    even by the same worker, is refused while the lease is held."""
+    job = _queued(redis)
+    keys, args = claim_call(job.id, "w1:1:a", datetime.now(tz=UTC), 3, False, TTL_S, 60)
+    claim = redis.register_script(CLAIM)
+    assert claim(keys=keys, args=args)[0] == Claimed.RUN
+    assert claim(keys=keys, args=args)[0] == Claimed.RUN
+    assert redis.hget(job_key(job.id), "attempts") == "1"
+    assert _claim(redis, job, "w1:1:a")[0] == Claimed.LEASED  # a new delivery of it
+    assert _claim(redis, job, "w2:2:b")[0] == Claimed.LEASED
+
+
 def test_a_lease_lost_to_an_outage_is_taken_back_by_its_attempt_unless_claimed(
     redis: Redis,
 ) -> None:

@@ -198,3 +198,28 @@ def test_a_huge_response_is_read_only_up_to_the_cap(private_redis: Redis) -> Non
         time.sleep(0.5)
     assert conclusion.state == DeliveryState.DELIVERED
     assert sum(sent) < 50 * 1024 * 1024  # the deliverer hung up long before the end
+
+
+def test_the_event_of_a_withdrawn_batch_is_dead_not_an_error(private_redis: Redis) -> None:
+    """A batch whose jobs all finished before its admission was withdrawn (its reply lost)
+    leaves a ``batch.completed`` event behind a tombstone with no record: the attempt ends
+    the event (dead, nothing sent), instead of failing on the missing record every time."""
+    from contracts.job_records import WITHDRAWN
+    from contracts.keys import batch_key
+    from worker.webhooks.schedule import Event
+
+    batch_id = f"b{time.monotonic_ns()}"
+    private_redis.hset(batch_key(batch_id), WITHDRAWN, 1)
+    event = Event(
+        event_id=f"evt_batch_{batch_id}",
+        url="https://example.test/hook",
+        tenant="acme",
+        kind="batch",
+        subject=batch_id,
+        state=DeliveryState.PENDING,
+        attempts=0,
+        created_at=time.time(),
+    )
+    conclusion = Deliverer(private_redis, LOCAL).attempt(event)
+    assert conclusion.state == DeliveryState.DEAD
+    assert conclusion.error is not None and "expired" in conclusion.error

@@ -90,16 +90,30 @@ def test_an_answer_that_may_predate_a_change_is_used_once_and_not_kept() -> None
     assert engine.questions == 2
 
 
-def test_no_answer_is_kept_while_a_request_that_may_load_an_adapter_has_not_ended() -> None:
+def test_an_answer_without_the_adapter_of_a_request_in_the_engine_is_not_kept() -> None:
     """The engine loads a requested adapter when it schedules the request, which may be
     after a question answered meanwhile: that answer (without it, and with the adapter it
-    will evict) is used once, not kept."""
+    will evict) is used once, not kept. One that holds it is kept, request or not."""
     adapters, engine = _adapters()
     adapters.registered()
     with adapters.entering(_request(3)):
         assert adapters.registered() == {1, 2}  # asked: 3 not loaded yet
         engine.held = {2, 3}  # scheduled now: 3 loaded, 1 evicted
         assert adapters.registered() == {2, 3}  # asked again, not the answer before
-    assert adapters.registered() == {2, 3}  # ended: asked once more, then kept
+        assert adapters.registered() == {2, 3}  # holds 3: kept
     assert adapters.registered() == {2, 3}
-    assert engine.questions == 4
+    assert engine.questions == 3
+
+
+def test_overlapping_requests_for_held_adapters_keep_the_answer() -> None:
+    """Under load requests overlap without end: while they name adapters the engine holds,
+    one question serves them all (a chain of requests must not keep it unanswered)."""
+    adapters, engine = _adapters()
+    adapters.changing()  # a load happened: nothing known
+    outer = adapters.entering(_request(1))
+    outer.__enter__()
+    for lora_id in [2, 1, 2, 1, 2] * 20:
+        with adapters.entering(_request(lora_id)):
+            assert adapters.registered() == {1, 2}
+    outer.__exit__(None, None, None)
+    assert engine.questions == 1

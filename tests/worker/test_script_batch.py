@@ -14,7 +14,6 @@ from redis import Redis
 from redis.commands.core import Script
 from redis.exceptions import ResponseError, TimeoutError
 
-from contracts.redis_policy import sync_client
 from lorafleet.stack import LocalStack
 from worker.script_batch import ScriptBatch, script_client
 
@@ -125,7 +124,7 @@ def test_a_redis_that_stops_answering_fails_the_calls_instead_of_holding_them(
 ) -> None:
     """Writes paused (as a stalled or partitioned server looks to a client): the call fails
     with a timeout, which its caller (``JobStore``) retries; before, it waited for ever."""
-    slow = ScriptBatch(sync_client(infra.redis_url, 2, decode_responses=True, socket_timeout=0.3))
+    slow = ScriptBatch(script_client(infra.redis_url, timeout_s=0.3))
     echo = _script(redis, ECHO)
     echo.sha = redis.script_load(ECHO)
     slow.start()
@@ -137,3 +136,12 @@ def test_a_redis_that_stops_answering_fails_the_calls_instead_of_holding_them(
     finally:
         redis.client_unpause()
         slow.close()
+
+
+def test_the_batch_client_never_resends_a_pipeline_itself() -> None:
+    """A pipeline resent after a timeout would run every script in it twice (the first copy
+    ran, or runs once the server catches up): the callers retry, call by call."""
+    client = script_client("redis://127.0.0.1:1")
+    retry = client.connection_pool.connection_kwargs["retry"]
+    assert retry.get_retries() == 0
+    client.close()

@@ -85,7 +85,8 @@ class Deliverer:
         """POST ``event`` once; what the schedule should do next."""
         body = self._payload(event)
         if body is None:
-            return Conclusion(DeliveryState.DEAD, None, f"the {event.kind} record has expired")
+            gone = f"the {event.kind} record has expired or was withdrawn"
+            return Conclusion(DeliveryState.DEAD, None, gone)
         now = time.time()
         signed = headers(self._secrets(event.tenant, now), event.event_id, int(now), body)
         try:
@@ -122,7 +123,7 @@ class Deliverer:
     def _payload(self, event: Event) -> bytes | None:
         if event.kind == "batch":
             fields: dict[str, str] = self._redis.hgetall(batch_key(event.subject))  # type: ignore[assignment]
-            if not fields:
+            if "record" not in fields:  # gone, or withdrawn (a tombstone: no record)
                 return None
             data = batch_public(fields).model_dump(mode="json")
             kind = "batch.completed"

@@ -1,0 +1,41 @@
+"""An ``Idempotency-Key`` reservation is let go only by the request that holds it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+
+from contracts.keys import idempotency_key
+from gateway.idempotency import IdempotencyKeys
+from lorafleet.stack import LocalStack
+
+
+def test_a_late_release_does_not_free_a_later_requests_key(infra: LocalStack, redis: Redis) -> None:
+    """Request A's reservation lapsed (its admission was cut short and its withdrawal took
+    longer than the pending TTL); request B then reserved the key and admitted its job. A's
+    release, arriving now, leaves B's reservation: freeing it would let a third retry admit
+    the same request a second time."""
+
+    async def go() -> tuple[bool, bool]:
+        client = AsyncRedis.from_url(infra.redis_url, decode_responses=True)
+        try:
+            a = IdempotencyKeys(client, "t-idem", "order-1", ttl_s=600)
+            b = IdempotencyKeys(client, "t-idem", "order-1", ttl_s=600)
+            assert (await a.reserve("fp", "job-a")).owned
+            await client.delete(idempotency_key("t-idem", "order-1"))  # A's lapsed
+            assert (await b.reserve("fp", "job-b")).owned
+            await b.done("fp", "job-b")
+            await a.release("job-a")  # late
+            kept = (await b.reserve("fp", "job-c")).job_id == "job-b"
+            await b.release("job-b")
+            freed = (await a.reserve("fp", "job-d")).owned
+            return kept, freed
+        finally:
+            await client.aclose()
+
+    kept, freed = asyncio.run(go())
+    assert kept  # the third request replays B's job
+    assert freed  # B's own release lets go
+    redis.delete(idempotency_key("t-idem", "order-1"))
