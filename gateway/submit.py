@@ -116,10 +116,16 @@ class Submitter:
         self._prompts = ThreadPoolExecutor(settings.prompt_threads, thread_name_prefix="prompts")
 
     async def submit(
-        self, access: Access, request: Submission, idempotency: Idempotency | None = None
+        self,
+        access: Access,
+        request: Submission,
+        idempotency: Idempotency | None = None,
+        job_id: str | None = None,
     ) -> Admitted:
         """Admit and enqueue ``request`` for the caller ``access`` authenticated (and resolved
-        ``request.adapter`` for), or raise ``ApiError``.
+        ``request.adapter`` for), or raise ``ApiError``. ``job_id``: the id the new job takes
+        (a caller that watches for the job's end before it exists mints it); a replay under
+        an idempotency key answers the earlier job instead.
 
         Redis and the broker get ``request_timeout_s`` in all: past it the answer is 503.
         """
@@ -127,7 +133,9 @@ class Submitter:
             if access.name != request.adapter:
                 raise RuntimeError(f"access resolved {access.name!r}, not {request.adapter!r}")
             resolved = access.admissible()
-            admitted, reserved = await self._submit(access.tenant, resolved, request, idempotency)
+            admitted, reserved = await self._submit(
+                access.tenant, resolved, request, idempotency, job_id or uuid.uuid4().hex
+            )
         if not admitted.replayed:
             self.metrics.admitted_job(admitted.job.tier, admitted.job.adapter)
         if reserved is not None and idempotency is not None:
@@ -162,6 +170,7 @@ class Submitter:
         resolved: Resolved,
         request: Submission,
         idempotency: Idempotency | None,
+        job_id: str,
     ) -> tuple[Admitted, IdempotencyKeys | None]:
         """The admitted job, and the idempotency reservation to mark done if this request
         made one."""
@@ -172,7 +181,6 @@ class Submitter:
         if request.webhook is not None:
             await check_target(request.webhook, self._settings)
 
-        job_id = uuid.uuid4().hex
         keys = None
         if idempotency is not None:
             keys = IdempotencyKeys(

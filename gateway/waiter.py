@@ -88,11 +88,29 @@ class JobWaiter(LoopTask):
     ) -> JobPublic | None:
         """The job once terminal, or as it is after ``timeout_s``; ``None`` if there is no
         such job for ``tenant``. Redis errors propagate."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
         async with self.watching(job_id) as finished:
-            while True:
+            return await self.wait_watched(redis, job_id, tenant, timeout_s, finished, False)
+
+    async def wait_watched(
+        self,
+        redis: Redis,
+        job_id: str,
+        tenant: str,
+        timeout_s: float,
+        finished: asyncio.Event,
+        unread: bool,
+    ) -> JobPublic | None:
+        """``wait`` with the caller's own ``notifying`` registration setting ``finished``.
+        ``unread``: the caller registered it before the job existed (it admitted the job
+        itself), so the job cannot have ended unnoticed and its record is first read when
+        ``finished`` is set (or after ``recheck_s``): one read fewer."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            if unread:
+                unread = False
+            else:
                 job = await job_store.get_job(redis, job_id, tenant)
                 remaining = deadline - asyncio.get_running_loop().time()
                 if job is None or job.status.terminal or remaining <= 0:
                     return job
-                await self.sleep(finished, remaining)
+            await self.sleep(finished, deadline - asyncio.get_running_loop().time())

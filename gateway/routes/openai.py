@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -292,23 +293,32 @@ async def _complete(
         idempotency = Idempotency(
             call.idempotency_key, fingerprint(route, body.model_dump(mode="json"))
         )
-    admitted = await call.submitter.submit(call.access, submission, idempotency)
-    job, created = admitted.job, int(time.time())
-    timeout_s = call.settings.completion_timeout_s
-    if body.stream:
-        events = _events(call, job, body, kind, created, timeout_s)
-        return StreamingResponse(
-            events, media_type="text/event-stream", headers=_audit_headers(job)
+    # Listening for the job's end from before it exists: no event can be missed, so its
+    # record is read once, when it has ended (a stream's follower checks it itself).
+    job_id, ended = uuid.uuid4().hex, asyncio.Event()
+    with call.waiter.notifying(job_id, ended.set):
+        admitted = await call.submitter.submit(call.access, submission, idempotency, job_id)
+        job, created = admitted.job, int(time.time())
+        timeout_s = call.settings.completion_timeout_s
+        if body.stream:
+            events = _events(call, job, body, kind, created, timeout_s)
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers=_audit_headers(job)
+            )
+        unread = job.id == job_id and not admitted.replayed
+        waiting = asyncio.ensure_future(
+            call.waiter.wait_watched(call.redis, job.id, job.tenant, timeout_s, ended, unread)
+            if unread
+            else call.waiter.wait(call.redis, job.id, job.tenant, timeout_s)
         )
-    waiting = asyncio.ensure_future(call.waiter.wait(call.redis, job.id, job.tenant, timeout_s))
-    gone = asyncio.ensure_future(_disconnected(call.request))
-    try:
-        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not waiting.done():
-            waiting.cancel()
-            _abandon(call, job)
+        gone = asyncio.ensure_future(_disconnected(call.request))
+        try:
+            await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not waiting.done():
+                waiting.cancel()
+                _abandon(call, job)
     if not waiting.done():
         # Nobody to answer; 499 (nginx's "client closed request") only reaches access logs.
         return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -246,3 +246,42 @@ def test_a_long_poll_learns_of_an_end_published_while_its_subscription_was_down(
         _finish(redis, job)  # published while the waiter reconnects (it pauses 1 s first)
         finished = waiting.result(timeout=180)
     assert finished is not None and finished.status == JobStatus.SUCCEEDED
+
+
+def test_a_completion_that_watched_before_admitting_reads_its_job_once(
+    infra: LocalStack, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``POST /v1/completions`` registers for its job's end before it admits the job, so no
+    end can pass unnoticed: it reads the record once, when the end is announced (a long-poll
+    of a job created elsewhere reads it first, then again at the end)."""
+    from gateway import waiter as waiter_module
+
+    reads: list[str] = []
+    real_get_job = waiter_module.job_store.get_job
+
+    async def counted(pool: AsyncRedis, job_id: str, tenant: str) -> JobPublic | None:
+        reads.append(job_id)
+        return await real_get_job(pool, job_id, tenant)
+
+    monkeypatch.setattr(waiter_module.job_store, "get_job", counted)
+    watched, polled = _running(redis), _running(redis)
+    with Hub(infra.redis_url) as hub:
+
+        async def watch() -> JobPublic | None:
+            ended = asyncio.Event()
+            with hub.waiter.notifying(watched.id, ended.set):
+                return await hub.waiter.wait_watched(
+                    hub.pool, watched.id, watched.tenant, 120, ended, unread=True
+                )
+
+        waiting = asyncio.run_coroutine_threadsafe(watch(), hub.loop)
+        polling = asyncio.run_coroutine_threadsafe(
+            hub.waiter.wait(hub.pool, polled.id, polled.tenant, 120), hub.loop
+        )
+        time.sleep(0.5)
+        _finish(redis, watched)
+        _finish(redis, polled)
+        finished = [waiting.result(timeout=60), polling.result(timeout=60)]
+    assert all(job is not None and job.status == JobStatus.SUCCEEDED for job in finished)
+    assert reads.count(watched.id) == 1
+    assert reads.count(polled.id) == 2
