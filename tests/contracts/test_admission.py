@@ -146,11 +146,9 @@ def test_an_admission_that_arrives_after_its_withdrawal_admits_and_enqueues_noth
     assert 0 < int(redis.ttl(job_key(job.id))) <= WITHDRAWN_TTL_S  # type: ignore[arg-type]
 
 
-def test_a_batch_admission_that_arrives_after_its_withdrawal_admits_nothing(
-    redis: Redis,
-) -> None:
-    tenant = f"t-{uuid.uuid4().hex[:8]}"
-    jobs = [_job(tenant) for _ in range(3)]
+def _batch(tenant: str, size: int) -> tuple[BatchRecord, list[JobPublic], list[BatchLine]]:
+    """A batch of ``size`` jobs of ``tenant``, with its lines, not admitted yet."""
+    jobs = [_job(tenant) for _ in range(size)]
     batch = BatchRecord(
         id=f"batch_{uuid.uuid4().hex}",
         tenant=tenant,
@@ -162,6 +160,14 @@ def test_a_batch_admission_that_arrives_after_its_withdrawal_admits_nothing(
         BatchLine(custom_id=str(n), job_id=job.id, endpoint="/v1/jobs", model="a")
         for n, job in enumerate(jobs)
     ]
+    return batch, jobs, lines
+
+
+def test_a_batch_admission_that_arrives_after_its_withdrawal_admits_nothing(
+    redis: Redis,
+) -> None:
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    batch, jobs, lines = _batch(tenant, 3)
     limits = admission.BatchLimits(
         tenant_max=10, rate_per_s=1000.0, burst=1000, tier_max=dict.fromkeys(Tier, 100)
     )
@@ -184,18 +190,7 @@ def test_a_withdrawn_batch_leaves_no_record_no_ledger_entry_and_its_token_back(
     batch's key is a tombstone. The messages stay in the queue: the worker finds no record
     for them and drops them."""
     tenant = f"t-{uuid.uuid4().hex[:8]}"
-    jobs = [_job(tenant) for _ in range(3)]
-    batch = BatchRecord(
-        id=f"batch_{uuid.uuid4().hex}",
-        tenant=tenant,
-        endpoint="/v1/jobs",
-        created_at=int(time.time()),
-        expires_at=int(time.time() + 60),
-    )
-    lines = [
-        BatchLine(custom_id=str(n), job_id=job.id, endpoint="/v1/jobs", model="a")
-        for n, job in enumerate(jobs)
-    ]
+    batch, jobs, lines = _batch(tenant, 3)
     limits = admission.BatchLimits(
         tenant_max=10, rate_per_s=1000.0, burst=5, tier_max=dict.fromkeys(Tier, 100)
     )
