@@ -82,11 +82,12 @@ ADVANCE = (
 local function terminal(s) return {_TERMINAL_LUA} end
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or status == '{WITHDRAWN}' then return -1 end
-if terminal(status) then
+if status == ARGV[1] then
   -- This very write, sent again (its reply was lost): it was written, by this call.
-  if status == ARGV[1] and redis.call('HGET', KEYS[1], 'record') == ARGV[2] then return 1 end
-  return 0
+  local now = redis.call('HMGET', KEYS[1], 'record', 'attempts')
+  if now[1] == ARGV[2] and now[2] == ARGV[5] then return 1 end
 end
+if terminal(status) then return 0 end
 if ARGV[4] ~= '' and (redis.call('HGET', KEYS[1], 'attempts') or '0') ~= ARGV[4] then
   return -2
 end

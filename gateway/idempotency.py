@@ -78,14 +78,25 @@ class IdempotencyKeys:
             await asyncio.sleep(POLL_S)
 
     async def done(self, fingerprint: str, job_id: str) -> None:
+        """Remember ``job_id`` for the key's TTL, unless the reservation lapsed and another
+        request holds the key now (it answers for its own job)."""
         entry = Entry(fingerprint=fingerprint, job_id=job_id, state=State.DONE)
-        await self._redis.set(self._key, entry.model_dump_json(), ex=self._ttl_s)
+        await self._redis.eval(  # type: ignore[misc]
+            _DONE, 1, self._key, job_id, entry.model_dump_json(), self._ttl_s
+        )
 
     async def release(self, job_id: str) -> None:
         """Let go of the reservation for ``job_id``, unless it lapsed and is someone else's
         now (a late release after ``PENDING_TTL_S`` must not free a later request's key)."""
         await self._redis.eval(_RELEASE, 1, self._key, job_id)  # type: ignore[misc]
 
+
+_DONE = """
+local entry = redis.call('GET', KEYS[1])
+if entry and cjson.decode(entry)['job_id'] ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+return 1
+"""
 
 _RELEASE = """
 local entry = redis.call('GET', KEYS[1])

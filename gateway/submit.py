@@ -190,16 +190,10 @@ class Submitter:
             if not reservation.owned:
                 return await self._replay(tenant, reservation), None
         job, message = self.job(tenant, prepared, job_id)
-        try:
-            await self._admit(tenant, job, message, keys)
-        except ApiError:
-            # Refused: nothing was admitted, the key is free for a retry at once. (Otherwise
-            # it is freed once the admission is withdrawn: while that is unknown, a retry
-            # waits for the reservation to lapse rather than admit the job a second time.)
-            if keys is not None:
-                with contextlib.suppress(RedisError, OSError):
-                    await asyncio.shield(keys.release(job_id))
-            raise
+        # A refusal frees the key at once, a withdrawal once it is done (``_admit``); while
+        # the admission's fate is unknown a retry waits for the reservation to lapse rather
+        # than admit the job a second time.
+        await self._admit(tenant, job, message, keys)
         return Admitted(job=job, replayed=False), keys
 
     async def prepare(self, request: Submission, resolved: Resolved) -> Prepared:

@@ -215,6 +215,11 @@ class EngineAdapters:
                 self._in_engine[lora_id] -= 1
                 if not self._in_engine[lora_id]:
                     del self._in_engine[lora_id]
+                if self._known is None or lora_id not in self._known:
+                    # It may have loaded its adapter: an answer asked before that, still on
+                    # its way back, must not be kept now that nothing in the engine lacks.
+                    self._generation += 1
+                    self._known = None
 
     def observe(self, digest: str, registered: set[int]) -> Residency:
         """Residency of ``digest`` given the engine's ``registered`` ids (just asked)."""

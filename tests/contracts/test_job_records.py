@@ -81,3 +81,20 @@ def test_a_missing_record_is_never_created(redis: Redis) -> None:
     job = _job()
     assert _advance(redis, job.model_copy(update={"status": JobStatus.FAILED})) == Advance.MISSING
     assert not redis.exists(job_key(job.id))
+
+
+def test_a_write_sent_again_after_its_reply_was_lost_is_answered_written(redis: Redis) -> None:
+    """A worker gives an attempt back (``queued``, the attempt uncounted, only if the counter
+    still says its attempt); the reply is lost and the write is sent again as it was. The
+    counter no longer says that attempt, but the write is its own: written, not a conflict
+    (which would make the worker drop a job it had handed back)."""
+    job = _job()
+    _create(redis, job)
+    running = job.model_copy(update={"status": JobStatus.RUNNING, "attempts": 1})
+    assert _advance(redis, running, expect=0) == Advance.WRITTEN
+    back = running.model_copy(update={"status": JobStatus.QUEUED, "attempts": 0})
+    assert _advance(redis, back, expect=1) == Advance.WRITTEN
+    assert _advance(redis, back, expect=1) == Advance.WRITTEN
+    other = back.model_copy(update={"worker": "someone-else"})
+    assert _advance(redis, other, expect=1) == Advance.CONFLICT
+    assert redis.hget(job_key(job.id), "attempts") == "0"

@@ -15,8 +15,9 @@ from lorafleet.stack import LocalStack
 def test_a_late_release_does_not_free_a_later_requests_key(infra: LocalStack, redis: Redis) -> None:
     """Request A's reservation lapsed (its admission was cut short and its withdrawal took
     longer than the pending TTL); request B then reserved the key and admitted its job. A's
-    release, arriving now, leaves B's reservation: freeing it would let a third retry admit
-    the same request a second time."""
+    late release, or late mark of its own job as done, leaves B's reservation: freeing it
+    would let a third retry admit the same request a second time, overwriting it would answer
+    B's retries with A's job."""
 
     async def go() -> tuple[bool, bool]:
         client = AsyncRedis.from_url(infra.redis_url, decode_responses=True)
@@ -27,6 +28,7 @@ def test_a_late_release_does_not_free_a_later_requests_key(infra: LocalStack, re
             await client.delete(idempotency_key("t-idem", "order-1"))  # A's lapsed
             assert (await b.reserve("fp", "job-b")).owned
             await b.done("fp", "job-b")
+            await a.done("fp", "job-a")  # late: its admission went through after all
             await a.release("job-a")  # late
             kept = (await b.reserve("fp", "job-c")).job_id == "job-b"
             await b.release("job-b")

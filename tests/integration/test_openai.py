@@ -95,6 +95,25 @@ def test_streamed_completion_arrives_in_chunks_and_equals_the_whole(
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
 
 
+def test_a_completion_sent_again_with_its_idempotency_key_answers_the_same_job(
+    api: httpx.Client, published: dict[str, AdapterRecord]
+) -> None:
+    """The first request mints its job and waits for it from before admitting it; the retry
+    finds the key done and waits for (here: reads) the job the first one ran."""
+    body = {
+        "model": _warm(published).alias,
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    }
+    headers = {"Idempotency-Key": f"completion-{PROMPT}"}
+    first = api.post("/v1/completions", json=body, headers=headers)
+    again = api.post("/v1/completions", json=body, headers=headers)
+    assert first.status_code == again.status_code == 200
+    assert first.headers["x-lorafleet-job-id"] == again.headers["x-lorafleet-job-id"]
+    assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
+
+
 def test_chat_completion_uses_the_chat_template(
     client: openai.OpenAI, published: dict[str, AdapterRecord], oracle: PeftOracle
 ) -> None:

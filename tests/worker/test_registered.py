@@ -117,3 +117,23 @@ def test_overlapping_requests_for_held_adapters_keep_the_answer() -> None:
             assert adapters.registered() == {1, 2}
     outer.__exit__(None, None, None)
     assert engine.questions == 1
+
+
+def test_an_answer_asked_before_a_request_loaded_its_adapter_is_not_kept_after_it() -> None:
+    """Nothing known; a question is on its way while a request for 3 enters, makes the engine
+    load 3 (evicting 1) and ends before the answer is taken in: that answer ({1, 2}) is
+    stale, and is used once, not kept."""
+    adapters, engine = _adapters()
+    engine.answering = threading.Event()
+    answers: list[set[int]] = []
+    asking = threading.Thread(target=lambda: answers.append(adapters.registered()))
+    asking.start()
+    assert engine.asked.wait(10)
+    with adapters.entering(_request(3)):
+        engine.held = {2, 3}
+    engine.answering.set()
+    asking.join(10)
+    assert answers == [{1, 2}]
+    engine.answering = None
+    assert adapters.registered() == {2, 3}  # asked again
+    assert engine.questions == 2
