@@ -26,28 +26,37 @@ RETRIES = 1
 _BACKOFF = {"cap": 0.5, "base": 0.05}
 
 
-def sync_options() -> dict[str, Any]:
-    """Keyword arguments for ``redis.Redis.from_url``."""
+def sync_options(retries: int = RETRIES) -> dict[str, Any]:
+    """Keyword arguments for ``redis.Redis.from_url``. ``retries=0``: a command that fails
+    is never resent by the client (for callers whose writes must not run twice unasked)."""
     return {
-        "retry": Retry(ExponentialBackoff(**_BACKOFF), RETRIES),
+        "retry": Retry(ExponentialBackoff(**_BACKOFF), retries),
         "retry_on_error": [ConnectionError, TimeoutError],
     }
 
 
-def async_options() -> dict[str, Any]:
-    """Keyword arguments for ``redis.asyncio.Redis.from_url``."""
+def async_options(retries: int = RETRIES) -> dict[str, Any]:
+    """Keyword arguments for ``redis.asyncio.Redis.from_url`` (``retries``: as above)."""
     return {
-        "retry": AsyncRetry(ExponentialBackoff(**_BACKOFF), RETRIES),
+        "retry": AsyncRetry(ExponentialBackoff(**_BACKOFF), retries),
         "retry_on_error": [ConnectionError, TimeoutError],
     }
 
 
 def sync_client(
-    url: str, max_connections: int, pool_timeout_s: float | None = 30.0, **options: Any
+    url: str,
+    max_connections: int,
+    pool_timeout_s: float | None = 30.0,
+    retries: int = RETRIES,
+    **options: Any,
 ) -> Redis:
     """A client whose commands wait up to ``pool_timeout_s`` for a free connection."""
     pool = BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=pool_timeout_s, **sync_options(), **options
+        url,
+        max_connections=max_connections,
+        timeout=pool_timeout_s,
+        **sync_options(retries),
+        **options,
     )
     return Redis.from_pool(pool)
 

@@ -30,12 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from contracts.jobs import JobPublic
 from contracts.keys import STREAM_END, stream_key
+from contracts.redis_policy import async_options
 from gateway import job_store
 from gateway.background import LoopTask
 from gateway.waiter import JobWaiter
@@ -67,7 +66,7 @@ def reader_client(url: str, connect_timeout_s: float, **options: Any) -> Redis:
         health_check_interval=30,
         decode_responses=True,
         single_connection_client=True,
-        retry=Retry(NoBackoff(), 0),
+        **async_options(retries=0),
         **options,
     )
 

@@ -105,12 +105,11 @@ class JobWaiter(LoopTask):
         itself), so the job cannot have ended unnoticed and its record is first read when
         ``finished`` is set (or after ``recheck_s``): one read fewer."""
         deadline = asyncio.get_running_loop().time() + timeout_s
+        if unread:
+            await self.sleep(finished, timeout_s)
         while True:
-            if unread:
-                unread = False
-            else:
-                job = await job_store.get_job(redis, job_id, tenant)
-                remaining = deadline - asyncio.get_running_loop().time()
-                if job is None or job.status.terminal or remaining <= 0:
-                    return job
-            await self.sleep(finished, deadline - asyncio.get_running_loop().time())
+            job = await job_store.get_job(redis, job_id, tenant)
+            remaining = deadline - asyncio.get_running_loop().time()
+            if job is None or job.status.terminal or remaining <= 0:
+                return job
+            await self.sleep(finished, remaining)

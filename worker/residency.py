@@ -193,8 +193,12 @@ class EngineAdapters:
     def changing(self) -> None:
         """The engine's set of adapters may change now: forget its last answer."""
         with self._guard:
-            self._generation += 1
-            self._known = None
+            self._forget()
+
+    def _forget(self) -> None:
+        """``changing``, with ``_guard`` held."""
+        self._generation += 1
+        self._known = None
 
     @contextmanager
     def entering(self, request: LoRARequest) -> Iterator[None]:
@@ -206,8 +210,7 @@ class EngineAdapters:
         with self._guard:
             self._in_engine[lora_id] += 1
             if self._known is not None and lora_id not in self._known:
-                self._generation += 1
-                self._known = None
+                self._forget()
         try:
             yield
         finally:
@@ -218,8 +221,7 @@ class EngineAdapters:
                 if self._known is None or lora_id not in self._known:
                     # It may have loaded its adapter: an answer asked before that, still on
                     # its way back, must not be kept now that nothing in the engine lacks.
-                    self._generation += 1
-                    self._known = None
+                    self._forget()
 
     def observe(self, digest: str, registered: set[int]) -> Residency:
         """Residency of ``digest`` given the engine's ``registered`` ids (just asked)."""

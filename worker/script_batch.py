@@ -21,12 +21,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis import BlockingConnectionPool, Redis
-from redis.backoff import NoBackoff
+from redis import Redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
-from redis.retry import Retry
 
+from contracts.redis_policy import sync_client
 from worker.background import Background
 
 log = logging.getLogger(__name__)
@@ -123,17 +122,16 @@ def script_client(url: str, timeout_s: float = SOCKET_TIMEOUT_S) -> Redis:
     """A client for a ``ScriptBatch``: reads bounded by ``timeout_s``, and no retry of
     its own. A pipeline retried after a timeout would run every script in it twice; the
     callers retry instead, call by call, and their scripts know a resend of themselves
-    (``CLAIM``) or answer it harmlessly (``ADVANCE``: written already)."""
-    pool = BlockingConnectionPool.from_url(
+    (``CLAIM``, ``ADVANCE``)."""
+    return sync_client(
         url,
         max_connections=2,
-        timeout=timeout_s,
+        pool_timeout_s=timeout_s,
+        retries=0,
         decode_responses=True,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
     )
-    return Redis.from_pool(pool)
 
 
 def _settle(call: _Call, reply: Any) -> None:

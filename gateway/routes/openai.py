@@ -305,11 +305,10 @@ async def _complete(
             return StreamingResponse(
                 events, media_type="text/event-stream", headers=_audit_headers(job)
             )
-        unread = job.id == job_id and not admitted.replayed
         waiting = asyncio.ensure_future(
-            call.waiter.wait_watched(call.redis, job.id, job.tenant, timeout_s, ended, unread)
-            if unread
-            else call.waiter.wait(call.redis, job.id, job.tenant, timeout_s)
+            call.waiter.wait(call.redis, job.id, job.tenant, timeout_s)
+            if admitted.replayed  # an earlier request's job, not the one watched
+            else call.waiter.wait_watched(call.redis, job.id, job.tenant, timeout_s, ended, True)
         )
         gone = asyncio.ensure_future(_disconnected(call.request))
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from vllm.lora.request import LoRARequest
@@ -52,6 +52,24 @@ def _request(lora_id: int) -> LoRARequest:
     return LoRARequest(lora_name=f"a{lora_id}@0000", lora_int_id=lora_id, lora_path="/nowhere")
 
 
+def _answer_while(
+    adapters: EngineAdapters, engine: Engine, meanwhile: Callable[[], None]
+) -> set[int]:
+    """The answer to a question asked on another thread, ``meanwhile()`` having run while
+    the engine's answer was on its way back."""
+    engine.answering = threading.Event()
+    answers: list[set[int]] = []
+    asking = threading.Thread(target=lambda: answers.append(adapters.registered()))
+    asking.start()
+    assert engine.asked.wait(10)
+    meanwhile()
+    engine.answering.set()
+    asking.join(10)
+    engine.answering = None
+    assert len(answers) == 1
+    return answers[0]
+
+
 def test_the_answer_is_kept_while_nothing_could_change_it() -> None:
     adapters, engine = _adapters()
     assert adapters.registered() == {1, 2}
@@ -75,16 +93,8 @@ def test_a_load_or_a_request_for_an_adapter_outside_the_answer_asks_again() -> N
 
 def test_an_answer_that_may_predate_a_change_is_used_once_and_not_kept() -> None:
     adapters, engine = _adapters()
-    engine.answering = threading.Event()
-    answers: list[set[int]] = []
-    asking = threading.Thread(target=lambda: answers.append(adapters.registered()))
-    asking.start()
-    assert engine.asked.wait(10)
-    adapters.changing()  # a load starts while the question is on its way
-    engine.answering.set()
-    asking.join(10)
-    assert answers == [{1, 2}]
-    engine.answering = None
+    # A load starts while the question is on its way.
+    assert _answer_while(adapters, engine, adapters.changing) == {1, 2}
     engine.held = {1, 2, 5}
     assert adapters.registered() == {1, 2, 5}  # asked again, not the earlier answer
     assert engine.questions == 2
@@ -124,16 +134,11 @@ def test_an_answer_asked_before_a_request_loaded_its_adapter_is_not_kept_after_i
     load 3 (evicting 1) and ends before the answer is taken in: that answer ({1, 2}) is
     stale, and is used once, not kept."""
     adapters, engine = _adapters()
-    engine.answering = threading.Event()
-    answers: list[set[int]] = []
-    asking = threading.Thread(target=lambda: answers.append(adapters.registered()))
-    asking.start()
-    assert engine.asked.wait(10)
-    with adapters.entering(_request(3)):
-        engine.held = {2, 3}
-    engine.answering.set()
-    asking.join(10)
-    assert answers == [{1, 2}]
-    engine.answering = None
+
+    def request_loads_3() -> None:
+        with adapters.entering(_request(3)):
+            engine.held = {2, 3}
+
+    assert _answer_while(adapters, engine, request_loads_3) == {1, 2}
     assert adapters.registered() == {2, 3}  # asked again
     assert engine.questions == 2
