@@ -556,6 +556,40 @@ def _decision_text(decision: Decision) -> str:
     return "\n".join(lines)
 
 
+@experiment_app.command("check")
+def experiment_check(
+    gateway: Annotated[
+        str | None, typer.Option(help="A deployment's gateway; default: a local stack of its own.")
+    ] = None,
+    key: Annotated[str | None, typer.Option(help="API key for --gateway.")] = None,
+    adapter: Annotated[
+        list[str] | None,
+        typer.Option(help="--gateway: an approved adapter the key may use (give six or more)."),
+    ] = None,
+) -> None:
+    """Run the routing and cold-load acceptance checklist; print pass/fail with evidence.
+    Exit 0: every check that ran passed; 1: a check failed."""
+    from lorafleet.experiment import check
+
+    signal.signal(signal.SIGTERM, interrupt_on_signal)
+    if (gateway is None) != (key is None):
+        raise _experiment_failed("usage", "--gateway and --key go together.")
+    try:
+        if gateway is not None and key is not None:
+            if not adapter or len(adapter) < 2:
+                raise _experiment_failed("usage", "--gateway needs --adapter at least twice.")
+            results = check.run_remote(gateway, key, adapter)
+        else:
+            results = check.run_local(_settings(), console)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: every process the check started was stopped")
+        raise typer.Exit(130) from None
+    console.print(check.table(results))
+    failed = [c.number for c in results if c.passed is False]
+    console.print(f"failed: {failed}" if failed else "every check that ran passed")
+    raise typer.Exit(1 if failed else 0)
+
+
 @experiment_app.command("report")
 def experiment_report(
     out: Annotated[Path, typer.Argument(exists=True, file_okay=False, metavar="DIR")],

@@ -71,24 +71,31 @@ class ColdSwapModel:
             "engine_load": round((time.perf_counter() - verified_at) * 1000, 3),
         }
 
-    def tokens(self, prompt: str, max_tokens: int) -> Iterator[str]:
-        """Greedy decoding with the KV cache, one text piece per token."""
+    def tokens(self, prompt: str, max_tokens: int) -> Iterator[int]:
+        """Greedy decoding with the KV cache (never stopping at EOS), one token id at a time."""
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids
         past = None
-        produced: list[int] = []
-        shown = ""
         with torch.no_grad():
             for _ in range(max_tokens):
                 out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
                 past = out.past_key_values
                 token = int(out.logits[0, -1].argmax())
-                produced.append(token)
+                yield token
                 ids = torch.tensor([[token]])
-                text = str(self.tokenizer.decode(produced, skip_special_tokens=True))
-                text = text.rstrip("\ufffd")
-                if len(text) > len(shown):
-                    yield text[len(shown) :]
-                    shown = text
+
+    def pieces(self, prompt: str, max_tokens: int) -> Iterator[str]:
+        """The text as it grows: per token, the whole characters it added (maybe none)."""
+        produced: list[int] = []
+        shown = ""
+        for token in self.tokens(prompt, max_tokens):
+            produced.append(token)
+            text = str(self.tokenizer.decode(produced, skip_special_tokens=True))
+            text = text.rstrip("\ufffd")
+            if len(text) > len(shown) and text.startswith(shown):
+                piece, shown = text[len(shown) :], text
+            else:
+                piece = ""
+            yield piece
 
 
 def create_app(model: ColdSwapModel) -> FastAPI:
@@ -135,9 +142,10 @@ async def _events(
             if residency == "disk":
                 timings = model.swap(alias)
             count = 0
-            for piece in model.tokens(prompt, max_tokens):
+            for piece in model.pieces(prompt, max_tokens):
                 count += 1
-                loop.call_soon_threadsafe(queue.put_nowait, ("text", piece))
+                if piece:
+                    loop.call_soon_threadsafe(queue.put_nowait, ("text", piece))
             digest = model.adapters[alias].digest
             metadata = {
                 "revision": digest,

@@ -34,6 +34,7 @@ class TrialContext:
     trial: Trial
     profile: ProfileName
     repetition: int
+    offered_rate: float
 
 
 @dataclass
@@ -180,6 +181,7 @@ async def drive(
                     "trial": context.trial,
                     "profile": context.profile,
                     "repetition": context.repetition,
+                    "offered_rate": context.offered_rate,
                     "seq": planned.seq,
                     "arrival_s": planned.arrival_s,
                     "adapter": planned.adapter,

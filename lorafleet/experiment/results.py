@@ -30,6 +30,7 @@ class RequestRecord(BaseModel):
     trial: Trial
     profile: ProfileName
     repetition: int
+    offered_rate: float = Field(description="requests per second the trial offered")
     seq: int = Field(description="position in the generated sequence")
     arrival_s: float = Field(description="scheduled send time, seconds from the run's start")
     adapter: str

@@ -210,7 +210,7 @@ class Experiment:
         probes: dict[str, Probe],
     ) -> TrialResult:
         m = self.manifest
-        context = TrialContext(cell, trial, profile, repetition)  # type: ignore[arg-type]
+        context = TrialContext(cell, trial, profile, repetition, rate)  # type: ignore[arg-type]
         sequence = plan(m, context.profile, rate, repetition)
         self.progress.update(
             self.task, description=f"{cell} {trial} {profile} @{rate:g}/s #{repetition}"

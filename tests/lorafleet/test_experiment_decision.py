@@ -39,6 +39,7 @@ def _records(
     for p in generated.requests:
         fields: dict[str, Any] = {
             "cell": "c", "trial": trial, "profile": profile, "repetition": 0, "seq": p.seq,
+            "offered_rate": 4.0,
             "arrival_s": p.arrival_s, "adapter": p.adapter, "prompt_id": p.prompt_id,
             "input_bucket": p.input_bucket, "max_tokens": p.max_tokens, "sent_s": p.arrival_s,
             "outcome": "completed", "ttft_ms": 100.0, "e2e_ms": 300.0, "job_id": f"j{p.seq}",
@@ -66,7 +67,7 @@ def _cell(
             records, generated = _records(
                 manifest, profile, trial, change=change or (lambda record: {})
             )
-            context = TrialContext("c", trial, profile, 0)  # type: ignore[arg-type]
+            context = TrialContext("c", trial, profile, 0, 4.0)  # type: ignore[arg-type]
             driven = Driven(records, 20.0, [], [])
             cell.trials.append(analysis.trial_result(manifest, context, 4.0, generated, driven))
             everything += records
