@@ -43,6 +43,7 @@ class Driven:
     duration_s: float
     queue_depth: list[Sample]
     worker_rss_mb: list[Sample]
+    gpu_memory_mb: list[Sample] | None = None
 
 
 Probe = Callable[[], Awaitable[float | None]]
@@ -217,6 +218,7 @@ async def drive(
         duration_s=round(duration, 3),
         queue_depth=samples.get("queue_depth", []),
         worker_rss_mb=samples.get("worker_rss_mb", []),
+        gpu_memory_mb=samples.get("gpu_memory_mb"),
     )
 
 

@@ -32,6 +32,7 @@ from lorafleet.experiment.results import (
     RequestRecord,
     Residency,
     Results,
+    Sample,
     TrialResult,
 )
 
@@ -275,7 +276,8 @@ def _trials_table(trials: list[TrialResult]) -> str:
     head = [
         "trial", "profile", "rate (req/s)", "rep", "planned", "sent", "dropped", "delayed",
         "completed", "failed", "refused", "timeouts", "failed loads", "identity mismatches",
-        "top1", "top10", "throughput (req/s)", "budget violations",
+        "top1", "top10", "throughput (req/s)", "worker RSS MB (first, max)",
+        "GPU memory MB (max)", "budget violations",
     ]  # fmt: skip
     rows: list[list[str] | str] = []
     for t in trials:
@@ -286,11 +288,19 @@ def _trials_table(trials: list[TrialResult]) -> str:
             + [str(n) for n in (c.failed, c.refused, c.timeouts, c.failed_loads)]
             + [_flag(c.identity_mismatches)]
             + [_share(t.top1_share), _share(t.top10_share), f"{t.throughput_rps:.2f}"]
+            + [_memory(t.worker_rss_mb), _memory(t.gpu_memory_mb, first=False)]
             + [_flag(len(t.budget_violations))]
         )
         if t.budget_violations:
             rows.append("budget violations:" + _list(t.budget_violations))
     return _table(head, rows, "counts trials")
+
+
+def _memory(samples: list[Sample] | None, first: bool = True) -> str:
+    if not samples:
+        return "-"
+    top = f"{max(s.value for s in samples):,.0f}"
+    return f"{samples[0].value:,.0f}, {top}" if first else top
 
 
 def _baseline(results: Results, requests: list[RequestRecord]) -> str:

@@ -468,7 +468,10 @@ class _CellWorker:
         async def rss_mb() -> float | None:
             return None if self.child is None else _rss_mb(self.child.pid)
 
-        return {"worker_rss_mb": rss_mb}
+        probes: dict[str, Probe] = {"worker_rss_mb": rss_mb}
+        if shutil.which("nvidia-smi"):  # never run on the machines this was built on
+            probes["gpu_memory_mb"] = _gpu_memory_mb
+        return probes
 
 
 def _refusal(text: str) -> str:
@@ -476,6 +479,22 @@ def _refusal(text: str) -> str:
     lines = [line.strip() for line in text.splitlines()]
     errors = [line for line in lines if ERROR_LINE.search(line)]
     return (errors[-1].split(" [type=")[0] + "\n\n" + text) if errors else text
+
+
+async def _gpu_memory_mb() -> float | None:
+    """Memory in use on every GPU of this host, summed (``nvidia-smi``)."""
+    process = await asyncio.create_subprocess_exec(
+        "nvidia-smi",
+        "--query-gpu=memory.used",
+        "--format=csv,noheader,nounits",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    out, _ = await process.communicate()
+    try:
+        return float(sum(float(line) for line in out.decode().split()))
+    except ValueError:
+        return None
 
 
 def _since(began: float) -> float:
