@@ -23,7 +23,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from lorafleet.experiment.analysis import percentiles
+from lorafleet.experiment.analysis import ok, percentiles
 from lorafleet.experiment.report import load
 
 SWEEPS = {
@@ -86,7 +86,7 @@ def summarise(out: Path, console: Console) -> None:
                 if (r.cell, r.trial, r.profile, r.offered_rate, r.repetition)
                 == (t.cell, t.trial, t.profile, t.offered_rate, t.repetition)
             ]
-            done = [r.ttft_ms for r in mine if r.outcome == "completed" and r.ttft_ms is not None]
+            done = [r.ttft_ms for r in mine if ok(r) and r.ttft_ms is not None]
             cold = [
                 r.ttft_ms
                 for r in mine
@@ -127,7 +127,7 @@ def summarise(out: Path, console: Console) -> None:
                 for r in requests
                 if (r.cell, r.trial, r.profile, r.offered_rate)
                 == (t.cell, t.trial, t.profile, t.offered_rate)
-                and r.outcome == "completed"
+                and ok(r)
                 and r.ttft_ms is not None
             ]
             p = percentiles(mine)

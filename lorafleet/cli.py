@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sys
 import time
@@ -489,7 +490,7 @@ def experiment_template(
         return
     settings = _settings()
     specs = write_fixtures(settings.fixtures_dir, adapters)
-    base = _model(settings)
+    base = (settings.fixtures_dir / "base").resolve()  # the model the fixtures were made for
     chosen = [(settings.fixtures_dir / "adapters" / spec.name, "cold") for spec in specs]
     sys.stdout.write(local_template(base, chosen, requests, rate))
 
@@ -509,40 +510,70 @@ def experiment_run(
     key: Annotated[str | None, typer.Option(help="API key for --gateway.")] = None,
 ) -> None:
     """Run every cell of MANIFEST; write results, the request sequence and the report.
-    Exit 0: the decision was reached; 1: identity mismatches; 2: the run could not be made."""
-    from lorafleet.experiment.analysis import STOP
+    Exit 0: a decision; 1: identity mismatches (stop the rollout); 2: the run could not be
+    made (nothing is written when that is known before it starts); 3: no decision (nothing
+    started, or not enough evidence)."""
+    import httpx
+
+    from lorafleet.experiment.analysis import INSUFFICIENT, NOTHING_RAN, STOP
     from lorafleet.experiment.manifest import ManifestError, load
     from lorafleet.experiment.report import write_report
-    from lorafleet.experiment.run import engine_help, run_local, run_remote, write_results
+    from lorafleet.experiment.run import (
+        engine_help,
+        preflight_local,
+        preflight_remote,
+        run_local,
+        run_remote,
+        write_results,
+    )
 
     signal.signal(signal.SIGTERM, interrupt_on_signal)
-    try:
-        manifest = load(manifest_path)
-    except ManifestError as exc:
-        raise _experiment_failed(exc.code, exc.message) from exc
     if (gateway is None) != (key is None):
         raise _experiment_failed("usage", "--gateway and --key go together.")
-    if out.exists() and any(out.iterdir()):
-        raise _experiment_failed("out_not_empty", f"{out} is not empty: choose a new directory.")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "manifest.yaml").write_text(manifest_path.read_text())
-    console.print("recording the engine's own `serve --help`")
-    engine_help(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise _experiment_failed("out_not_empty", f"{out} is not an empty directory.")
     try:
+        manifest = load(manifest_path)
         if gateway is not None and key is not None:
-            results = run_remote(manifest, out, gateway, key, console)
+            preflight_remote(gateway, key, manifest)
         else:
-            results = run_local(manifest, out, _settings(), console)
+            preflight_local(manifest, _settings())
     except ManifestError as exc:
         raise _experiment_failed(exc.code, exc.message) from exc
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "manifest.yaml").write_text(manifest_path.read_text())
+    try:
+        if gateway is not None and key is not None:
+            (out / "engine-help.txt").write_text(
+                "Not recorded: the engine runs in the deployment, not here; the manifest's "
+                "runtime section records it.\n"
+            )
+            results = run_remote(manifest, out, gateway, key, console)
+        else:
+            console.print("recording the engine's own `serve --help`")
+            engine_help(out)
+            results = run_local(manifest, out, _settings(), console)
+    except ManifestError as exc:
+        sent = out / "requests.jsonl"
+        if created and (not sent.exists() or sent.stat().st_size == 0):
+            shutil.rmtree(out, ignore_errors=True)  # refused before anything ran
+        raise _experiment_failed(exc.code, exc.message) from exc
+    except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
+        console.print("requests of the trials that ended are in requests.jsonl")
+        raise _experiment_failed("run_failed", f"{type(exc).__name__}: {exc}") from exc
     except KeyboardInterrupt:
-        console.print("[yellow]interrupted[/]: requests sent so far are in requests.jsonl")
+        console.print(
+            "[yellow]interrupted[/]: requests of the trials that ended are in "
+            "requests.jsonl; every process the run started was stopped"
+        )
         raise typer.Exit(130) from None
     write_results(out, results)
     report = write_report(out)
     console.print(_decision_text(results.decision))
     console.print(f"results: {out / 'results.json'}  report: {report}")
-    raise typer.Exit(1 if results.decision.verdict == STOP else 0)
+    verdict = results.decision.verdict
+    raise typer.Exit(1 if verdict == STOP else 3 if verdict in (NOTHING_RAN, INSUFFICIENT) else 0)
 
 
 def _decision_text(decision: Decision) -> str:
@@ -564,7 +595,10 @@ def experiment_check(
     key: Annotated[str | None, typer.Option(help="API key for --gateway.")] = None,
     adapter: Annotated[
         list[str] | None,
-        typer.Option(help="--gateway: an approved adapter the key may use (give six or more)."),
+        typer.Option(
+            help="--gateway: an approved adapter the key may use (at least three; more than "
+            "the workers hold exercises eviction and reload)."
+        ),
     ] = None,
 ) -> None:
     """Run the routing and cold-load acceptance checklist; print pass/fail with evidence.
@@ -576,11 +610,13 @@ def experiment_check(
         raise _experiment_failed("usage", "--gateway and --key go together.")
     try:
         if gateway is not None and key is not None:
-            if not adapter or len(adapter) < 2:
-                raise _experiment_failed("usage", "--gateway needs --adapter at least twice.")
+            if not adapter or len(adapter) < 3:
+                raise _experiment_failed("usage", "--gateway needs --adapter at least three times.")
             results = check.run_remote(gateway, key, adapter)
         else:
             results = check.run_local(_settings(), console)
+    except check.CheckError as exc:
+        raise _experiment_failed(exc.code, exc.message) from exc
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: every process the check started was stopped")
         raise typer.Exit(130) from None
@@ -595,9 +631,16 @@ def experiment_report(
     out: Annotated[Path, typer.Argument(exists=True, file_okay=False, metavar="DIR")],
 ) -> None:
     """Rebuild DIR/report.html from DIR/results.json and DIR/requests.jsonl."""
+    from pydantic import ValidationError
+
     from lorafleet.experiment.report import load, write_report
 
-    results, _ = load(out)
+    try:
+        results, _ = load(out)
+    except (OSError, ValueError, ValidationError) as exc:
+        raise _experiment_failed(
+            "results_unreadable", f"{out} holds no readable results.json and requests.jsonl: {exc}"
+        ) from exc
     path = write_report(out)
     console.print(_decision_text(results.decision))
     console.print(f"report: {path}")

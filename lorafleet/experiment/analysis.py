@@ -28,6 +28,8 @@ ISOLATE_RARE = "Warm a dedicated pool or isolate that class"
 ISOLATE_BOUNDARY = "Isolate approved variants"
 NOT_SHARED = "Do not share at the tested settings"
 NOTHING_RAN = "No decision: no configuration started"
+INSUFFICIENT = "No decision: not enough evidence"
+TRIAL_KINDS = ("warmed", "reset")
 # A miss "correlates with loading" when the adapter was not on the GPU and a load phase was
 # observed, "with queueing" when the job waited at least this share of the budget in queue.
 QUEUEING_SHARE = 0.5
@@ -170,6 +172,33 @@ def _explained(manifest: Manifest, record: RequestRecord) -> bool:
     return loaded or queued or record.code in LOAD_FAILURES
 
 
+def _failed(trial: TrialResult) -> bool:
+    """A trial that missed a budget, or whose load was not applied as planned."""
+    return bool(trial.budget_violations) or trial.counts.delayed > 0 or trial.counts.dropped > 0
+
+
+def _coverage_gaps(manifest: Manifest, cell: CellResult, records: list[RequestRecord]) -> list[str]:
+    """What a cell lacks to support "candidate for a shared pool": both kinds of trial, and
+    in each of them every approved adapter with enough answered requests for a p95."""
+    gaps = []
+    least = MIN_SAMPLES["p95"]
+    for kind in TRIAL_KINDS:
+        if not any(t.trial == kind for t in cell.trials):
+            gaps.append(f"no {kind} trial")
+            continue
+        answered = Counter(
+            r.adapter for r in records if r.cell == cell.id and r.trial == kind and ok(r)
+        )
+        short = [
+            f"{entry.alias} n={answered[entry.alias]}"
+            for entry in manifest.adapter_registry
+            if answered[entry.alias] < least
+        ]
+        if short:
+            gaps.append(f"{kind}: fewer than {least} answers for " + ", ".join(short[:6]))
+    return gaps
+
+
 def _config(cell: CellResult) -> str:
     c = cell.config
     limits = f"max_loras {c.max_loras}, max_cpu_loras {c.max_cpu_loras}, rank {c.max_lora_rank}"
@@ -179,7 +208,10 @@ def _config(cell: CellResult) -> str:
 def decide(manifest: Manifest, cells: list[CellResult], records: list[RequestRecord]) -> Decision:
     """The share-versus-isolate table, hard gates first. Every row records its evidence; the
     verdict is the first row that holds, in the order the gates must be applied."""
-    started = [cell for cell in cells if cell.startup.outcome != "rejected" and cell.trials]
+    started = [cell for cell in cells if cell.trials]
+    # Only the cells' own requests: a baseline (or anything else in the file) never decides.
+    ours = {cell.id for cell in cells}
+    records = [record for record in records if record.cell in ours]
     wrong = [record for record in records if mismatched(record)]
     base = manifest.base_model.digest
     foreign = [e.alias for e in manifest.adapter_registry if e.base != base]
@@ -241,21 +273,21 @@ def decide(manifest: Manifest, cells: list[CellResult], records: list[RequestRec
         ]
 
     # Small stable working set: a cell where every trial (warmed and reset, every profile,
-    # every rate) passed every per-adapter budget.
+    # every rate) met every adapter's budget, with every approved adapter measured often
+    # enough in each kind of trial, and the load applied on time.
+    gaps = {cell.id: _coverage_gaps(manifest, cell, records) for cell in started}
     passing = [
-        cell
-        for cell in started
-        if not any(t.budget_violations for t in cell.trials)
-        and {t.trial for t in cell.trials} >= set(manifest.trials)
+        cell for cell in started if not gaps[cell.id] and not any(_failed(t) for t in cell.trials)
     ]
     passing.sort(key=lambda c: (c.config.max_loras, c.config.max_cpu_loras, c.config.max_lora_rank))
     evidence = (
         f"every trial passed in {', '.join(_config(c) for c in passing)}"
         if passing
-        else "no cell passed every trial: "
+        else "no cell passed every trial with enough evidence: "
         + "; ".join(
-            f"{cell.id}: {sum(bool(t.budget_violations) for t in cell.trials)} of "
-            f"{len(cell.trials)} trials missed a budget"
+            f"{cell.id}: {sum(_failed(t) for t in cell.trials)} of {len(cell.trials)} trials "
+            "missed a budget or were not applied on time"
+            + (f", {'; '.join(gaps[cell.id][:3])}" if gaps[cell.id] else "")
             for cell in started
         )
     )
@@ -271,32 +303,37 @@ def decide(manifest: Manifest, cells: list[CellResult], records: list[RequestRec
         verdict = CANDIDATE
         because = [evidence, f"cheapest passing configuration: {_config(passing[0])}"]
 
-    # Long tail beyond residency: reload (reset) and reversal trials pass, at some offered rate
-    # and not at every one: the highest passing rate is the admission limit measured.
+    # Long tail beyond residency, per cell whose CPU capacity the working set exceeds: its
+    # reset and reversal trials ran, and every trial passes up to some offered rate (each
+    # rate at or below it passing) and misses above it: that rate is the limit measured.
     measured: dict[str, float] = {}
-    beyond = []
-    for cell in started:
-        if working_set > cell.config.max_cpu_loras:
-            beyond.append(cell.id)
+    beyond = [cell for cell in started if working_set > cell.config.max_cpu_loras]
+    for cell in beyond:
+        kinds = {t.trial for t in cell.trials}
+        if "reset" not in kinds or not any(t.profile == "reversal" for t in cell.trials):
+            continue
         rates = sorted({t.offered_rate for t in cell.trials})
-        clean = [
-            rate
-            for rate in rates
-            if not any(t.budget_violations for t in cell.trials if t.offered_rate == rate)
-        ]
-        if clean and len(clean) < len(rates):
-            measured[cell.id] = max(clean)
+        limit = None
+        for rate in rates:
+            if any(_failed(t) for t in cell.trials if t.offered_rate == rate):
+                break
+            limit = rate
+        if limit is not None and limit < rates[-1]:
+            measured[cell.id] = limit
     evidence = (
-        f"working set {working_set} adapters exceeds max_cpu_loras in {beyond or 'no cell'}; "
+        f"working set {working_set} adapters exceeds max_cpu_loras in "
+        f"{[cell.id for cell in beyond] or 'no cell'}; "
         + (
-            "every trial passed up to "
+            "with reset and reversal trials, every trial passed up to "
             + ", ".join(f"{k}: {v:g} req/s" for k, v in measured.items())
+            + " and missed above"
             if measured
-            else "no cell passed at one offered rate and missed at a higher one "
-            f"(offered rates: {manifest.offered_rates}), so no limit was measured"
+            else "no such cell passed its reset and reversal trials at one offered rate and "
+            f"missed at a higher one (offered rates: {manifest.offered_rates}), so no limit "
+            "was measured"
         )
     )
-    holds = bool(beyond) and bool(measured)
+    holds = bool(measured)
     rows.append(
         DecisionRow(
             condition="Long tail exceeds residency capacity; reload and popularity-reversal "
@@ -336,6 +373,16 @@ def decide(manifest: Manifest, cells: list[CellResult], records: list[RequestRec
     if verdict is None and correlated:
         verdict, because, isolate = ISOLATE_RARE, [evidence], correlated
 
+    if (
+        verdict is None
+        and all(gaps.values())
+        and not any(_failed(t) for cell in started for t in cell.trials)
+    ):
+        verdict = INSUFFICIENT
+        because = [
+            "no budget was missed, but no cell has the evidence a shared pool needs: "
+            + "; ".join(f"{cell}: {', '.join(found[:4])}" for cell, found in gaps.items())
+        ]
     if verdict is None:
         verdict = NOT_SHARED
         because = [

@@ -42,6 +42,15 @@ STREAMS_PER_ROUND = 8
 RSS_GROWTH_BOUND_MB = 64.0
 
 
+class CheckError(Exception):
+    """The checks cannot start; ``code`` is stable."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 @dataclass
 class Check:
     number: int
@@ -92,7 +101,9 @@ def check_unknown(target: Target) -> Check:
     check = Check(1, "unknown and unauthorised adapters are refused before inference")
     before = target.count_jobs() if target.count_jobs else None
     calls = [("unknown alias", target.http, "no-such-adapter-lorafleet-check")]
-    if target.limited_key is not None:
+    if target.limited_key is None:
+        check.evidence.append("not run: an alias the key is not granted (needs a second key)")
+    else:
         headers = {"Authorization": f"Bearer {target.limited_key}"}
         limited = httpx.Client(base_url=str(target.http.base_url), headers=headers, timeout=30)
         calls.append(("alias the key is not granted", limited, target.aliases[1]))
@@ -113,6 +124,8 @@ def check_unknown(target: Target) -> Check:
             )
     for _, http, _ in calls[1:]:
         http.close()
+    if target.count_jobs is None:
+        check.evidence.append("not run: counting job records needs the job store (local only)")
     if target.count_jobs is not None and before is not None:
         after = target.count_jobs()
         check.expect(after == before, f"job records in the store: {before} before, {after} after")
@@ -204,12 +217,14 @@ def check_revision_change(target: Target) -> Check:
     check.expect(after_move > 0, f"{after_move} chunks streamed after the channel moved")
     check.expect(
         meta.get("loaded_digest") == target.digests[r7]
-        and info.get("revision") == target.digests[r7],
+        and info.get("revision") == target.digests[r7]
+        and meta.get("identity_verified") is True,
         f"stream ran {str(meta.get('loaded_digest'))[:19]} = {r7} ({target.digests[r7][:19]})",
     )
     new_meta = (new_job.get("lorafleet") or {}).get("metadata") or {}
     check.expect(
-        new_meta.get("loaded_digest") == target.digests[r8],
+        new_meta.get("loaded_digest") == target.digests[r8]
+        and new_meta.get("identity_verified") is True,
         f"request admitted after the move ran {str(new_meta.get('loaded_digest'))[:19]} = "
         f"{r8} ({target.digests[r8][:19]})",
     )
@@ -261,15 +276,17 @@ def check_cancellation(target: Target) -> Check:
         produced = asyncio.run(_cancelled_streams(str(target.http.base_url), headers, adapters))
         drained = _drained(target.http)
         check.expect(
-            drained is not False,
+            drained is True,
             f"round {round_ + 1} (popular {popular}): {produced}/{len(adapters)} streams "
             f"cancelled after their first text; admitted unfinished back to zero: {drained}",
         )
         job = _job(target.http, popular, GREEDY)
         meta = job.get("metadata") or {}
         check.expect(
-            job["status"] == "succeeded" and meta.get("loaded_digest") == target.digests[popular],
-            f"round {round_ + 1}: the next request ran {popular}'s revision",
+            job["status"] == "succeeded"
+            and meta.get("loaded_digest") == target.digests[popular]
+            and meta.get("identity_verified") is True,
+            f"round {round_ + 1}: the next request ran {popular}'s revision, verified",
         )
         if target.worker_rss_mb is not None and (value := target.worker_rss_mb()) is not None:
             rss.append(value)
@@ -338,14 +355,28 @@ def run_remote(gateway_url: str, api_key: str, aliases: list[str]) -> list[Check
     exercise the working set); their digests are what the gateway resolves them to."""
     headers = {"Authorization": f"Bearer {api_key}"}
     with httpx.Client(base_url=gateway_url.rstrip("/"), headers=headers, timeout=300) as http:
-        digests = {}
-        for alias in aliases:
-            accepted = http.post(
-                "/v1/jobs", json={"adapter": alias, "prompt": PROMPT, "sampling": GREEDY}
-            )
-            accepted.raise_for_status()
-            digests[alias] = accepted.json()["revision"]
+        try:
+            listed = http.get("/v1/models")
+        except httpx.HTTPError as exc:
+            raise CheckError("gateway_unreachable", f"{gateway_url} did not answer: {exc}") from exc
+        if listed.status_code != 200:
+            raise CheckError("gateway_refused", f"/v1/models: {listed.status_code} {listed.text}")
+        roots = {str(m["id"]): str(m["root"]) for m in listed.json()["data"]}
+        missing = [alias for alias in aliases if alias not in roots]
+        if missing:
+            raise CheckError("adapter_not_found", f"the key is not served {missing}")
+        digests = {alias: roots[alias] for alias in aliases}
         return run_checks(Target(http=http, aliases=aliases, digests=digests))
+
+
+def _tenant(tenants: Any, name: str, operator: bool = False) -> str:
+    """A key of tenant ``name``, created if missing (a shared Redis may hold it already)."""
+    from lorafleet.registry import RegistryError
+
+    try:
+        return str(tenants.create(name, operator=operator)[1])
+    except RegistryError:
+        return str(tenants.create_key(name)[1])
 
 
 def run_local(settings: LocalSettings, console: Console) -> list[Check]:
@@ -361,6 +392,12 @@ def run_local(settings: LocalSettings, console: Console) -> list[Check]:
     from lorafleet.tenants import Tenants
     from lorafleet.validation import ADAPTER_FILES, CONFIG_FILE, ValidationFailure
 
+    if settings.stack_file.exists():
+        raise CheckError(
+            "stack_running",
+            f"A local stack is running ({settings.stack_file}); stop it with `lorafleet stack "
+            "down` or set LORAFLEET_STATE_DIR to another directory for the checks.",
+        )
     specs = write_fixtures(settings.fixtures_dir, 6)
     base = (settings.fixtures_dir / "base").resolve()
     scratch = settings.state_dir.resolve() / "check-adapters"
@@ -382,9 +419,8 @@ def run_local(settings: LocalSettings, console: Console) -> list[Check]:
         registry = Registry(stack.redis())
         registry.set_channel("extract", "extract-r7")
         tenants = Tenants(stack.redis())
-        _, key = tenants.create("checker", operator=True)
+        key, limited = _tenant(tenants, "checker", True), _tenant(tenants, "checker-limited")
         tenants.grant("checker", ALL_ADAPTERS)
-        _, limited = tenants.create("checker-limited")
         tenants.grant("checker-limited", specs[0].name)
         stack.start_services(CHECK_ENV)
         worker = next(child for child in stack.children if child.name == "worker")
@@ -434,7 +470,7 @@ def run_local(settings: LocalSettings, console: Console) -> list[Check]:
                 s3.delete_object(Bucket=stack.settings.s3_bucket, Key=blob_key(entry.sha256))
             s3.delete_object(Bucket=stack.settings.s3_bucket, Key=manifest_key(record.digest))
             stack.stop_child(holder["worker"])
-            shutil.rmtree(stack.state_dir / "cache", ignore_errors=True)
+            shutil.rmtree(stack.service_env()["LORAFLEET_CACHE_DIR"], ignore_errors=True)
             holder["worker"] = stack.spawn_worker(CHECK_ENV)
             stack.wait_worker(holder["worker"])
             return "check-missing"

@@ -48,9 +48,9 @@ class ColdSwapModel:
         self.tokenizer = AutoTokenizer.from_pretrained(base_dir)
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
         first = next(iter(adapters.values()))
+        self.verified = manifest_of(first.path, ADAPTER_FILES).digest() == first.digest
         self.model = PeftModel.from_pretrained(base, first.path, adapter_name=first.alias).eval()
         self.current: str | None = first.alias
-        self.verified: bool = False
         self.lock = threading.Lock()
 
     def swap(self, alias: str) -> dict[str, float | None]:

@@ -90,6 +90,7 @@ async def _one(
     }
     sent = time.monotonic()
     info: dict[str, Any] | None = None
+    done = False
     try:
         async with asyncio.timeout(timeout_s):
             async with http.stream("POST", "/v1/completions", json=body) as response:
@@ -104,10 +105,14 @@ async def _one(
                         continue
                     data = line[len("data: ") :]
                     if data == "[DONE]":
+                        done = True
                         break
                     event = json.loads(data)
                     if "error" in event:
-                        record["code"] = event["error"].get("code")
+                        error = event["error"]
+                        record["code"] = str(
+                            error.get("code") if isinstance(error, dict) else error
+                        )
                         record["outcome"] = (
                             "cancelled" if record["code"] == "cancelled" else "failed"
                         )
@@ -119,14 +124,21 @@ async def _one(
                         info = event["lorafleet"]
                     if event.get("usage"):
                         record["completion_tokens"] = event["usage"].get("completion_tokens")
-    except TimeoutError:
+    except (TimeoutError, httpx.TimeoutException):
         record["outcome"], record["code"] = "timeout", "timeout"
         return
     except httpx.HTTPError as exc:
         record["outcome"], record["code"] = "failed", f"transport:{type(exc).__name__}"
         return
+    except Exception as exc:  # an answer this client cannot read: recorded, never raised
+        record["outcome"], record["code"] = "failed", f"client:{type(exc).__name__}"
+        return
     finally:
         record["e2e_ms"] = round((time.monotonic() - sent) * 1000, 3)
+    if not done or info is None:
+        # The stream ended without its last chunk or [DONE]: the job's end was not seen.
+        record["outcome"], record["code"] = "failed", "stream_truncated"
+        return
     record["outcome"], record["code"] = "completed", None
     _identity(record, info)
 
@@ -158,7 +170,7 @@ async def drive(
     concurrency_limit: int,
     timeout_s: float,
     probes: dict[str, Probe] | None = None,
-    on_sent: Callable[[], None] | None = None,
+    on_handled: Callable[[], None] | None = None,
 ) -> Driven:
     """Run one trial's sequence open loop; every planned request gets exactly one record."""
     records: list[dict[str, Any]] = []
@@ -195,8 +207,8 @@ async def drive(
                     "ttft_ms": None,
                 }
                 records.append(record)
-                if on_sent is not None:
-                    on_sent()
+                if on_handled is not None:
+                    on_handled()  # one more planned request handled (sent or dropped)
                 if len(tasks) >= concurrency_limit:
                     continue  # dropped: sending it would exceed the generator's limit
                 record["sent_s"] = round(time.monotonic() - started, 6)

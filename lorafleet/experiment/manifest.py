@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
 from lorafleet.experiment.results import ProfileName, Trial
 
@@ -76,6 +84,16 @@ class Corpus(_Strict):
     language_mix: str
     prompts: list[str] = Field(min_length=1)
 
+    @model_validator(mode="after")
+    def _recorded(self) -> Corpus:
+        if any(not prompt.split() for prompt in self.prompts):
+            raise ValueError("a prompt of the corpus is empty")
+        if corpus_digest(self.prompts) != self.digest:
+            raise ValueError(
+                f"digest {self.digest} is not the prompts' digest {corpus_digest(self.prompts)}"
+            )
+        return self
+
 
 class Arrival(_Strict):
     policy: Literal["fixed", "poisson", "gamma"] = "poisson"
@@ -92,13 +110,13 @@ class Skew(_Strict):
 
 class CpuSweep(_Strict):
     max_loras: int = Field(ge=1)
-    max_cpu_loras: list[int] = Field(min_length=1)
+    max_cpu_loras: list[PositiveInt] = Field(min_length=1)
 
 
 class Sweeps(_Strict):
-    max_loras: list[int] = Field(min_length=1)
-    max_cpu_loras: list[int] = Field(min_length=1)
-    max_lora_rank: list[int] = Field(min_length=1)
+    max_loras: list[PositiveInt] = Field(min_length=1)
+    max_cpu_loras: list[PositiveInt] = Field(min_length=1)
+    max_lora_rank: list[PositiveInt] = Field(min_length=1)
     cpu_capacity: CpuSweep | None = Field(
         default=None, description="second sweep: max_loras fixed, CPU capacity varied"
     )
@@ -128,13 +146,13 @@ class Manifest(_Strict):
     tokenizer_and_template_digest: str
     adapter_registry: list[AdapterEntry] = Field(min_length=1)
     prompt_corpus: Corpus
-    input_token_buckets: list[int] = Field(min_length=1)
+    input_token_buckets: list[PositiveInt] = Field(min_length=1)
     output_cap: int = Field(ge=1, le=4096)
     random_seed: int = 17
     requests_per_cell: int = Field(ge=1)
     repetitions: int = Field(default=3, ge=1)
     arrival: Arrival = Field(default_factory=Arrival)
-    offered_rates: list[float] = Field(min_length=1, description="requests per second")
+    offered_rates: list[PositiveFloat] = Field(min_length=1, description="requests per second")
     generator_concurrency_limit: int = Field(ge=1)
     request_timeout_s: float = Field(default=120.0, gt=0)
     traffic_profiles: list[ProfileName] = Field(min_length=1)
@@ -160,6 +178,20 @@ class Manifest(_Strict):
             raise ValueError(f"acceptance names adapters not in the registry: {unknown}")
         if "cold_swap" in self.traffic_profiles or "cold_swap" in self.cold_swap_baseline:
             raise ValueError("cold_swap is a baseline, not a traffic profile")
+        for name in ("traffic_profiles", "trials", "offered_rates", "cold_swap_baseline"):
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name} names a value twice")
+        largest = max(entry.rank for entry in self.adapter_registry)
+        low = [rank for rank in self.sweeps.max_lora_rank if rank < largest]
+        if low:
+            raise ValueError(
+                f"max_lora_rank ceilings {low} are below the registry's largest rank {largest}"
+            )
+        if not self.cells():
+            raise ValueError(
+                "the sweeps leave no cell: every max_cpu_loras is below the largest max_loras"
+            )
         return self
 
     def cells(self) -> list[tuple[str, int, int, int]]:

@@ -22,7 +22,15 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
-from lorafleet.experiment.analysis import CANDIDATE, NOT_SHARED, NOTHING_RAN, STOP, percentiles
+from lorafleet.experiment.analysis import (
+    CANDIDATE,
+    INSUFFICIENT,
+    NOT_SHARED,
+    NOTHING_RAN,
+    STOP,
+    ok,
+    percentiles,
+)
 from lorafleet.experiment.results import (
     MIN_SAMPLES,
     CellConfig,
@@ -166,7 +174,7 @@ def _verdict_class(verdict: str) -> str:
         return "stop"
     if verdict == CANDIDATE:
         return "go"
-    return "none" if verdict == NOTHING_RAN else "caution"
+    return "none" if verdict in (NOTHING_RAN, INSUFFICIENT) else "caution"
 
 
 def _header(results: Results) -> str:
@@ -188,6 +196,7 @@ def _header(results: Results) -> str:
     if d.admission_limits:
         limits = (f"{cell}: {rate:g} req/s" for cell, rate in d.admission_limits.items())
         parts.append("<h3>Admission limits measured</h3>" + _list(limits))
+    parts.append(f"<h3>Reset before each reset trial</h3><p>{_e(results.reset_procedure)}</p>")
     if results.not_reset:
         parts.append("<h3>Not reset between trials</h3>" + _list(results.not_reset))
     return _section("Decision", "\n".join(parts))
@@ -230,7 +239,8 @@ def _share(value: float) -> str:
 def _startup(cell: CellResult) -> str:
     s = cell.startup
     text = _e(s.outcome) + (f" in {s.seconds:.1f} s" if s.seconds is not None else "")
-    return f'<span class="fails">{text}</span>' if s.outcome == "rejected" else text
+    failed = s.outcome in ("rejected", "timeout")
+    return f'<span class="fails">{text}</span>' if failed else text
 
 
 def _flag(count: int) -> str:
@@ -259,7 +269,7 @@ def _cells(results: Results) -> str:
     ]  # fmt: skip
     parts = [_table(head, overview, "counts")] if overview else ["<p>no cells</p>"]
     for cell in results.cells:
-        opened = len(results.cells) <= 3 or cell.startup.outcome == "rejected"
+        opened = len(results.cells) <= 3 or cell.startup.outcome != "started" or cell.stopped
         parts.append(
             f'<details class="cell"{" open" if opened else ""}><summary><b>{_e(cell.id)}</b> · '
             f"sweep {_e(cell.sweep)} · {_e(_config_text(cell.config))} · startup: "
@@ -268,6 +278,11 @@ def _cells(results: Results) -> str:
         if cell.startup.error:
             parts.append(f'<pre class="error">{_e(cell.startup.error)}</pre>')
         parts.append(_trials_table(cell.trials) if cell.trials else "<p>no trials ran</p>")
+        if cell.stopped:
+            parts.append(
+                f'<p class="fails">trials stopped early:</p><pre class="error">'
+                f"{_e(cell.stopped)}</pre>"
+            )
         parts.append("</details>")
     return _section("Cells", "\n".join(parts))
 
@@ -475,7 +490,7 @@ def _natural_sorted(names: Iterable[str]) -> list[str]:
 
 
 def _answered(record: RequestRecord) -> bool:
-    return record.outcome == "completed" and record.ttft_ms is not None
+    return ok(record) and record.ttft_ms is not None
 
 
 def _ttft(record: RequestRecord) -> float:

@@ -44,7 +44,9 @@ class RequestRecord(BaseModel):
     e2e_ms: float | None = None
     job_id: str | None = None
     expected_revision: str
-    revision: str | None = Field(default=None, description="revision the gateway admitted")
+    revision: str | None = Field(
+        default=None, description="revision the worker says it ran (its metadata)"
+    )
     loaded_digest: str | None = Field(default=None, description="digest the worker loaded")
     identity_verified: bool | None = None
     identity_mismatch: bool = False
@@ -131,7 +133,10 @@ class CellConfig(BaseModel):
 
 
 class Startup(BaseModel):
-    outcome: Literal["started", "rejected", "assumed"]
+    outcome: Literal["started", "rejected", "timeout", "assumed"] = Field(
+        description="rejected: the worker or its engine exited refusing the configuration; "
+        "timeout: it did not announce itself in time; assumed: a deployment, not started here"
+    )
     seconds: float | None = None
     error: str | None = Field(default=None, description="the engine's (or worker's) own error")
 
@@ -142,6 +147,11 @@ class CellResult(BaseModel):
     config: CellConfig
     startup: Startup
     trials: list[TrialResult] = Field(default_factory=list)
+    stopped: str | None = Field(
+        default=None,
+        description="why the cell's remaining trials did not run (a worker that exited, a "
+        "restart or warm-up that failed); None: every trial ran",
+    )
 
 
 class DecisionRow(BaseModel):
@@ -165,6 +175,7 @@ class Results(BaseModel):
     started_at: str
     finished_at: str
     manifest: dict[str, object]
+    reset_procedure: str = Field(description="the reset this run performed before reset trials")
     not_reset: list[str] = Field(description="what the reset procedure cannot reset")
     cells: list[CellResult]
     baseline: CellResult | None = Field(

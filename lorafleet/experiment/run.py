@@ -29,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 
 from lorafleet.experiment.analysis import decide, trial_result
 from lorafleet.experiment.drive import Probe, TrialContext, drive
-from lorafleet.experiment.manifest import Manifest, ManifestError
+from lorafleet.experiment.manifest import LOCAL_RESET, Manifest, ManifestError
 from lorafleet.experiment.results import (
     CellConfig,
     CellResult,
@@ -159,31 +159,33 @@ class Experiment:
     def probes(self, http: httpx.AsyncClient) -> dict[str, Probe]:
         return {"queue_depth": _fleet_probe(http)}
 
-    async def warm(self) -> None:
-        """One request per approved adapter, waited for: each is fetched, verified and has
-        been in the engine once before a warmed trial."""
+    async def warm(self) -> str | None:
+        """One request per approved adapter, waited for, so each has been fetched, verified
+        and in the engine once before a warmed trial; what went wrong, or ``None``."""
         headers = {"Authorization": f"Bearer {self.api_key}"}
-        async with httpx.AsyncClient(
-            base_url=self.gateway_url, headers=headers, timeout=self.manifest.request_timeout_s
-        ) as http:
-            prompt = self.manifest.prompt_corpus.prompts[0]
-            bodies = [
-                {"model": alias, "prompt": prompt, "max_tokens": 1} for alias in self.expected
-            ]
-            for body in bodies:
-                response = await http.post("/v1/completions", json=body)
-                if response.status_code != 200:
-                    raise ManifestError(
-                        "warmup_failed",
-                        f"Warming {body['model']} failed: {response.status_code} {response.text}",
-                    )
+        prompt = self.manifest.prompt_corpus.prompts[0]
+        try:
+            async with httpx.AsyncClient(
+                base_url=self.gateway_url, headers=headers, timeout=self.manifest.request_timeout_s
+            ) as http:
+                for alias in self.expected:
+                    body = {"model": alias, "prompt": prompt, "max_tokens": 1}
+                    response = await http.post("/v1/completions", json=body)
+                    if response.status_code != 200:
+                        return f"warming {alias}: {response.status_code} {response.text[:300]}"
+        except httpx.HTTPError as exc:
+            return f"warming the adapters: {type(exc).__name__}: {exc}"
+        return None
 
     def run_cell(
         self,
         cell: CellResult,
         reset: Callable[[CellResult], Startup] | None,
         probes: dict[str, Probe],
+        died: Callable[[], str | None] = lambda: None,
     ) -> None:
+        """Every trial of ``cell``; the first one that cannot run (a restart or warm-up that
+        fails, a worker that exited) ends the cell, saying why in ``cell.stopped``."""
         m = self.manifest
         for trial in m.trials:
             for rate in m.offered_rates:
@@ -191,14 +193,19 @@ class Experiment:
                     for repetition in range(m.repetitions):
                         if trial == "reset" and reset is not None:
                             startup = reset(cell)
-                            if startup.outcome == "rejected":
-                                cell.startup = startup
+                            if startup.outcome != "started":
+                                cell.stopped = f"restart for a reset trial: {startup.outcome}: "
+                                cell.stopped += startup.error or ""
                                 return
-                        elif trial == "warmed":
-                            asyncio.run(self.warm())
+                        elif trial == "warmed" and (problem := asyncio.run(self.warm())):
+                            cell.stopped = problem
+                            return
                         cell.trials.append(
                             self.run_trial(cell.id, trial, rate, profile, repetition, probes)
                         )
+                        if (gone := died()) is not None:
+                            cell.stopped = f"the worker exited during the trial: {gone}"
+                            return
 
     def run_trial(
         self,
@@ -231,7 +238,7 @@ class Experiment:
                     m.generator_concurrency_limit,
                     m.request_timeout_s,
                     probes={**self.probes(http), **probes},
-                    on_sent=lambda: self.progress.advance(self.task),
+                    on_handled=lambda: self.progress.advance(self.task),
                 )
             self.out.add(driven.records)
             return trial_result(m, context, rate, sequence, driven)
@@ -247,6 +254,8 @@ def run_remote(
     started_at = datetime.now(tz=UTC).isoformat()
     trials: list[Trial] = ["warmed"]
     runnable = manifest.model_copy(update={"trials": trials})
+    if not manifest.cells():
+        raise ManifestError("manifest_invalid", "The sweeps leave no cell to run.")
     sweeps = manifest.sweeps
     config = CellConfig(
         max_loras=sweeps.max_loras[0],
@@ -263,8 +272,9 @@ def run_remote(
         experiment.run_cell(cell, None, {})
     if "reset" in manifest.trials:
         console.print("[yellow]reset trials skipped: a remote deployment cannot be reset[/]")
+    # Decided on what could run: a deployment has no reset trials, so no candidate verdict.
     return _results(
-        manifest, "remote", started_at, [cell], experiment.out.records, REMOTE_NOT_RESET
+        manifest, "remote", started_at, [cell], experiment.out.records, REMOTE_NOT_RESET, runnable
     )
 
 
@@ -285,8 +295,13 @@ def _results(
     cells: list[CellResult],
     records: list[RequestRecord],
     not_reset: list[str],
+    decided_on: Manifest | None = None,
 ) -> Results:
+    hot = [entry.alias for entry in manifest.adapter_registry if entry.tier == "hot"]
+    if hot and mode == "local":
+        not_reset = [*not_reset, f"hot-tier adapters, pinned when the worker starts: {hot}"]
     return Results(
+        reset_procedure=LOCAL_RESET if mode == "local" else "none: a deployment is not reset",
         experiment_id=manifest.experiment_id,
         mode=mode,  # type: ignore[arg-type]
         started_at=started_at,
@@ -294,21 +309,23 @@ def _results(
         manifest=manifest.model_dump(mode="json"),
         not_reset=not_reset,
         cells=cells,
-        decision=decide(manifest, cells, records),
+        decision=decide(decided_on or manifest, cells, records),
     )
 
 
-def run_local(
-    manifest: Manifest, out_dir: Path, settings: LocalSettings, console: Console
-) -> Results:
-    """Every cell on this machine's stack (private Redis and S3 unless configured)."""
+def preflight_local(manifest: Manifest, settings: LocalSettings) -> Path:
+    """Everything a local run can check before it writes or starts anything: no local stack
+    already running in this state directory, and base model and adapter files that hash to
+    the digests the manifest records. The base model's directory."""
     from contracts.digests import manifest_of
-    from contracts.queues import Tier
-    from contracts.tenants import ALL_ADAPTERS, TenantLimits
-    from lorafleet.registry import RegistryError
-    from lorafleet.stack import LocalStack
-    from lorafleet.tenants import Tenants
+    from lorafleet.validation import ADAPTER_FILES
 
+    if settings.stack_file.exists():
+        raise ManifestError(
+            "stack_running",
+            f"A local stack is running ({settings.stack_file}); stop it with `lorafleet stack "
+            "down` or set LORAFLEET_STATE_DIR to another directory for the experiment.",
+        )
     if manifest.base_model.path is None:
         raise ManifestError("manifest_invalid", "A local run needs base_model.path.")
     model = Path(manifest.base_model.path)
@@ -318,12 +335,64 @@ def run_local(
             f"base_model.path {model} does not hold the base model whose digest the manifest "
             f"records ({manifest.base_model.digest}).",
         )
-    missing = [e.alias for e in manifest.adapter_registry if e.path is None]
+    for entry in manifest.adapter_registry:
+        if entry.path is None or not Path(entry.path).is_dir():
+            raise ManifestError(
+                "manifest_invalid",
+                f"{entry.alias}: a local run publishes each adapter from its path; "
+                f"{entry.path!r} is not a directory.",
+            )
+        found = manifest_of(Path(entry.path), ADAPTER_FILES).digest()
+        if found != entry.digest:
+            raise ManifestError(
+                "manifest_mismatch",
+                f"{entry.alias}: the files at {entry.path} hash to {found}, the manifest "
+                f"records {entry.digest}; the experiment would not test the approved revision.",
+            )
+    return model
+
+
+def preflight_remote(gateway_url: str, api_key: str, manifest: Manifest) -> None:
+    """The gateway answers, the key is accepted, and it resolves every alias of the registry
+    to the digest the manifest records (``GET /v1/models``: ``root`` is the revision)."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    url = gateway_url.rstrip("/") + "/v1/models"
+    try:
+        response = httpx.get(url, headers=headers, timeout=15)
+    except httpx.HTTPError as exc:
+        raise ManifestError(
+            "gateway_unreachable", f"{url} did not answer: {type(exc).__name__}: {exc}"
+        ) from exc
+    if response.status_code != 200:
+        raise ManifestError(
+            "gateway_refused", f"{url} answered {response.status_code}: {response.text[:300]}"
+        )
+    listed = {str(model.get("id")): model.get("root") for model in response.json()["data"]}
+    missing = [e.alias for e in manifest.adapter_registry if e.alias not in listed]
     if missing:
         raise ManifestError(
-            "manifest_invalid",
-            f"A local run publishes each adapter from its path; none for {missing}.",
+            "adapter_not_found", f"The gateway does not serve {missing} to this key."
         )
+    other = [e.alias for e in manifest.adapter_registry if listed[e.alias] != e.digest]
+    if other:
+        raise ManifestError(
+            "manifest_mismatch",
+            f"The gateway resolves {other} to other digests than the manifest records.",
+        )
+
+
+def run_local(
+    manifest: Manifest, out_dir: Path, settings: LocalSettings, console: Console
+) -> Results:
+    """Every cell on this machine's stack (private Redis and S3 unless configured)."""
+    from contracts.queues import Tier
+    from contracts.tenants import ALL_ADAPTERS, TenantLimits
+    from lorafleet.registry import RegistryError
+    from lorafleet.stack import LocalStack
+    from lorafleet.tenants import Tenants
+    from lorafleet.validation import ValidationFailure
+
+    model = preflight_local(manifest, settings)
     started_at = datetime.now(tz=UTC).isoformat()
     cells: list[CellResult] = []
     with LocalStack(settings, model) as stack, _progress(console) as progress:
@@ -332,7 +401,12 @@ def run_local(
         publisher = stack.publisher()
         for entry in manifest.adapter_registry:
             assert entry.path is not None
-            record = publisher.publish(Path(entry.path), entry.alias, Tier(entry.tier))
+            try:
+                record = publisher.publish(Path(entry.path), entry.alias, Tier(entry.tier))
+            except (ValidationFailure, RegistryError) as exc:
+                raise ManifestError(
+                    "publish_refused", f"{entry.alias}: {exc.code}: {exc.message}"
+                ) from exc
             if record.digest != entry.digest:
                 raise ManifestError(
                     "manifest_mismatch",
@@ -353,16 +427,17 @@ def run_local(
 
         for sweep, loras, cpu, rank in manifest.cells():
             config = CellConfig(max_loras=loras, max_cpu_loras=cpu, max_lora_rank=rank)
-            worker = _CellWorker(stack, config, stack.state_dir / "cache")
+            cache = Path(stack.service_env()["LORAFLEET_CACHE_DIR"])
+            worker = _CellWorker(stack, config, cache)
             console.print(f"cell {worker.cell_id} ({sweep}): starting a worker")
             cell = CellResult(id=worker.cell_id, sweep=sweep, config=config, startup=worker.start())
             cells.append(cell)
-            if cell.startup.outcome == "rejected":
-                console.print(f"[yellow]cell {cell.id}: configuration rejected[/]")
+            if cell.startup.outcome != "started":
+                console.print(f"[yellow]cell {cell.id}: worker {cell.startup.outcome}[/]")
                 progress.advance(experiment.task, experiment._planned() // len(manifest.cells()))
                 continue
             try:
-                experiment.run_cell(cell, worker.reset, worker.probes())
+                experiment.run_cell(cell, worker.reset, worker.probes(), worker.died)
             finally:
                 worker.stop()
         baseline = _cold_swap(experiment, stack, model) if manifest.cold_swap_baseline else None
@@ -443,15 +518,26 @@ class _CellWorker:
         the disk cache, start it again and wait until it announces itself."""
         self.stop()
         shutil.rmtree(self.cache, ignore_errors=True)
+        if self.cache.exists():
+            raise RuntimeError(f"the reset could not empty the disk cache {self.cache}")
         began = time.monotonic()
         self.child = self.stack.spawn_worker(self.env, name="worker")
         self.trials_at_start = trials_so_far
         try:
             self.stack.wait_worker(self.child)
-        except (RuntimeError, TimeoutError) as exc:
+        except RuntimeError as exc:  # it exited: the worker or its engine refused
             self.stop()
             return Startup(outcome="rejected", seconds=_since(began), error=_refusal(str(exc)))
+        except TimeoutError as exc:
+            self.stop()
+            return Startup(outcome="timeout", seconds=_since(began), error=str(exc))
         return Startup(outcome="started", seconds=_since(began))
+
+    def died(self) -> str | None:
+        """The log tail of a worker that exited, else ``None``."""
+        if self.child is None or self.child.alive():
+            return None
+        return f"exit status {self.child.process.returncode}:\n{self.child.log_tail()}"
 
     def reset(self, cell: CellResult) -> Startup:
         """Reset before a trial, unless no trial ran since the worker started empty."""

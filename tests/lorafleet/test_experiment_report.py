@@ -143,6 +143,7 @@ def _experiment() -> tuple[Results, list[RequestRecord]]:
         started_at="2025-01-01T10:00:00Z",
         finished_at="2025-01-01T10:05:00Z",
         manifest={"experiment_id": "churn-test", "offered_rates": [2.0]},
+        reset_procedure="worker restarted, disk cache emptied",
         not_reset=["the page cache"],
         cells=[started, rejected],
         decision=decision,

@@ -23,6 +23,7 @@ VERDICTS = {
     analysis.ISOLATE_RARE,
     analysis.ISOLATE_BOUNDARY,
     analysis.NOT_SHARED,
+    analysis.INSUFFICIENT,
 }
 
 
