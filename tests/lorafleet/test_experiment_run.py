@@ -38,10 +38,24 @@ def test_a_manifest_with_required_fields_left_is_refused_and_nothing_is_written(
     out = tmp_path / "out"
     refused = _cli(["experiment", "run", str(manifest), "--out", str(out)], env)
     assert refused.returncode == 2
-    assert "manifest_incomplete" in refused.stdout
+    assert refused.stderr.startswith("manifest_incomplete: ")
     for field in ("runtime.engine_version", "offered_rates", "acceptance.default.ttft_p95_ms"):
-        assert field in refused.stdout
+        assert field in refused.stderr
     assert not out.exists()
+    assert not (tmp_path / "state" / "stack.json").exists()
+    # a manifest whose recorded digests are not the files': every difference named at once
+    good = _cli(["experiment", "template", "--local", "--adapters", "3"], env)
+    data = yaml.safe_load(good.stdout)
+    data["adapter_registry"][0]["digest"] = "sha256:" + "0" * 64
+    data["adapter_registry"][2]["rank"] = 2
+    manifest.write_text(yaml.safe_dump(data))
+    out.mkdir()  # an empty directory given: left as found
+    refused = _cli(["experiment", "run", str(manifest), "--out", str(out)], env)
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("manifest_mismatch: ")
+    assert data["adapter_registry"][0]["alias"] + ": files at" in refused.stderr
+    assert "the manifest records rank 2," in refused.stderr
+    assert list(out.iterdir()) == []
     assert not (tmp_path / "state" / "stack.json").exists()
 
 
