@@ -1,10 +1,11 @@
 """The churn experiment by hand: the local manifest, run end to end, its decision and tables.
 
     .venv/bin/python benchmarks/churn.py --out churn-out [--adapters 12 --requests 120
-        --rates 4,16]
+        --rates 4,16] [--slots-only]
 
 It writes the manifest with ``lorafleet experiment template --local`` (12 fixture adapters,
-so the working set exceeds the CPU cache of every cell), sets the sweep below, runs
+so the working set exceeds the CPU cache of every cell) and its full sweep (``--slots-only``:
+only the first sweep, max_loras 1 and 2 at CPU capacity 4, about half the time), runs
 ``lorafleet experiment run`` (its progress bar shows), then prints, from ``results.json``:
 the decision, one row per cell x trial kind x profile x rate, and lorafleet against the
 cold-swap baseline on the skewed profile. Everything shares this machine's cores: the
@@ -26,7 +27,7 @@ from rich.table import Table
 from lorafleet.experiment.analysis import ok, percentiles
 from lorafleet.experiment.report import load
 
-SWEEPS = {
+SLOTS_ONLY = {
     "max_loras": [1, 2],
     "max_cpu_loras": [4],
     "max_lora_rank": [8],
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=12)
     parser.add_argument("--requests", type=int, default=120, help="requests per trial")
     parser.add_argument("--rates", default="4,16", help="offered rates, req/s")
+    parser.add_argument("--slots-only", action="store_true", help="only the first sweep")
     args = parser.parse_args()
     console = Console(width=160)
     lorafleet = [sys.executable, "-m", "lorafleet"]
@@ -52,7 +54,8 @@ def main() -> None:
     )
     manifest = yaml.safe_load(template.stdout)
     manifest["offered_rates"] = [float(rate) for rate in args.rates.split(",")]
-    manifest["sweeps"] = SWEEPS
+    if args.slots_only:
+        manifest["sweeps"] = SLOTS_ONLY
     manifest["acceptance"]["default"] = {"ttft_p95_ms": 1000.0, "max_failure_rate": 0.0}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     path = args.out.with_suffix(".manifest.yaml")

@@ -150,8 +150,16 @@ def stop_group(
     """SIGTERM the process group, wait up to ``timeout_s``, then SIGKILL what is left.
 
     With ``started_at`` (the leader's start time), a group whose pid another program got
-    since is left alone."""
-    if not still_ours(pgid, started_at):
+    since is left alone. A leader that is our own child and not yet reaped (``process``)
+    keeps its pid: it is ours whatever the clock says (the start times compared are wall
+    clock, which a VM's clock step moves; that once left a worker running here)."""
+
+    def ours() -> bool:
+        if process is not None and process.returncode is None:
+            return True  # not reaped: the kernel cannot have given its pid to anyone else
+        return still_ours(pgid, started_at)
+
+    if not ours():
         return
     try:
         os.killpg(pgid, signal.SIGTERM)
@@ -164,7 +172,7 @@ def stop_group(
         if not group_alive(pgid):
             return
         time.sleep(0.1)
-    if not still_ours(pgid, started_at):
+    if not ours():
         return
     try:
         os.killpg(pgid, signal.SIGKILL)

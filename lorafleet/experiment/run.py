@@ -569,6 +569,8 @@ class _CellWorker:
     def stop(self) -> None:
         if self.child is not None:
             self.stack.stop_child(self.child)
+            if self.child.alive():  # never two workers on one cache
+                raise RuntimeError(f"the worker (pid {self.child.pid}) did not stop")
             self.child = None
 
     def probes(self) -> dict[str, Probe]:
