@@ -133,7 +133,7 @@ def _rss_mb(pid: int) -> float | None:
 
 
 class Experiment:
-    """Runs the manifest's cells against a gateway; ``Local`` adds the workers' lifecycle."""
+    """Runs the manifest's trials against a gateway; ``run_local`` adds the workers' lifecycle."""
 
     def __init__(
         self, manifest: Manifest, out_dir: Path, console: Console, progress: Progress

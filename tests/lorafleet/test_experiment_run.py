@@ -73,9 +73,9 @@ def experiment(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     data["sweeps"] = {
         "max_loras": [2],
         "max_cpu_loras": [4],
-        "max_lora_rank": [8],
-        # max_cpu_loras below max_loras: the worker refuses to start.
-        "cpu_capacity": {"max_loras": 2, "max_cpu_loras": [1]},
+        # 24 is no rank vLLM allocates for: the worker refuses to start with it.
+        "max_lora_rank": [8, 24],
+        "cpu_capacity": None,
     }
     data["trials"] = ["warmed", "reset"]
     manifest = root / "manifest.yaml"
@@ -99,7 +99,10 @@ def experiment(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_every_generated_request_is_accounted_for(experiment: dict[str, Any]) -> None:
     run, results = experiment["run"], experiment["results"]
-    assert run.returncode == 0, run.stdout + run.stderr
+    # 16 requests a trial cannot give every adapter the 20 answers a candidate needs:
+    # no decision, exit status 3 (nothing else went wrong).
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert results.decision.verdict == analysis.INSUFFICIENT
     started, _rejected = results.cells
     assert started.startup.outcome == "started"
     assert {(t.trial, t.profile) for t in started.trials} == {
@@ -142,7 +145,8 @@ def test_the_rejected_cell_keeps_the_workers_own_error(experiment: dict[str, Any
     rejected = experiment["results"].cells[1]
     assert rejected.startup.outcome == "rejected"
     assert rejected.trials == []
-    assert rejected.startup.error.startswith("Value error, max_cpu_loras must be at least")
+    assert rejected.id == "L2-C4-R24"
+    assert rejected.startup.error.startswith("Value error, max_lora_rank must be one of")
 
 
 def test_reset_trials_start_cold_and_the_reversal_moves_the_popular_adapter(
