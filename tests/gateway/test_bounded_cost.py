@@ -274,6 +274,7 @@ def test_healthz_stays_fast_while_another_client_sends_huge_prompts(
                 answers.append(heavy.post(route, content=body, headers=headers))
 
         sender = threading.Thread(target=send)
+        began = time.perf_counter()
         sender.start()
         loaded = []
         while sender.is_alive():
@@ -286,14 +287,16 @@ def test_healthz_stays_fast_while_another_client_sends_huge_prompts(
                 )
                 assert other.status_code == 202, other.text
         sender.join()
+        took = time.perf_counter() - began
     (answer,) = answers
     code = "batch_invalid" if route == "/v1/batches" else "prompt_too_long"
     assert answer.status_code == 422 and answer.json()["error"]["code"] == code, answer.text
     assert len(loaded) >= 5, loaded  # the probes ran while the request was being worked on
-    # Generous, for a shared machine: a loop blocked by the request stalls for its whole
-    # length (seconds: 5 s for the batch before prompts were bounded), far past this.
-    bound = 100 * statistics.quantiles(unloaded, n=10)[-1]
-    assert max(loaded) < bound, (max(loaded), bound, statistics.median(loaded))
+    # A loop blocked by the request stalls a probe for the request's whole length (5 s for
+    # the batch before prompts were bounded). Compared with that length, not with a fixed
+    # time: on this shared machine one probe in forty stalled 127 ms, past the old bound of
+    # 100x the unloaded p90 (83 ms), with the loop never blocked.
+    assert max(loaded) < took / 2, (max(loaded), took, statistics.median(loaded), unloaded[-1])
     assert admitted_state(private_redis, "heavy") == NOTHING | {
         "records": 1,
         "tier_ledgers": 1,
