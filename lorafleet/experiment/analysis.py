@@ -20,6 +20,7 @@ from lorafleet.experiment.results import (
     mismatched,
 )
 from lorafleet.experiment.traffic import Plan
+from lorafleet.report import percentile
 
 STOP = "Stop rollout; fix routing before capacity tuning"
 CANDIDATE = "Candidate for a shared pool"
@@ -35,16 +36,12 @@ TRIAL_KINDS = ("warmed", "reset")
 QUEUEING_SHARE = 0.5
 
 
-def nearest_rank(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    rank = max(1, round(q / 100 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
-
-
 def percentiles(values: Iterable[float]) -> Percentiles:
     data = list(values)
     shown = {
-        name: round(nearest_rank(data, float(name[1:])), 3) if len(data) >= least else None
+        name: round(nearest, 3)
+        if len(data) >= least and (nearest := percentile(data, float(name[1:]))) is not None
+        else None
         for name, least in MIN_SAMPLES.items()
     }
     return Percentiles(n=len(data), **shown)
