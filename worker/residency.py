@@ -11,19 +11,20 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 from vllm.lora.request import LoRARequest
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from contracts.digests import short
 from contracts.errors import ErrorCode
 from contracts.jobs import LoadTimings, Residency
 from worker import metrics
 from worker.adapter_cache import AdapterCache
-from worker.deadlines import late, passed, remaining_s, wait_slice
+from worker.deadlines import late, remaining_s
 from worker.engine import EngineFailed, EngineHost
 from worker.errors import AdapterIntegrityError, JobFailure
 from worker.inflight import Running
@@ -42,6 +43,16 @@ class Resident:
     loaded_digest: str
 
 
+@dataclass(frozen=True)
+class Staged:
+    """An adapter on local disk, ready for the engine; ``verified_digest`` is set when its
+    files were hashed as they were fetched just now (``None``: found on disk)."""
+
+    request: LoRARequest
+    digest: str
+    verified_digest: str | None
+
+
 class SlotGate:
     """Bounds the distinct unpinned adapters with requests in the engine at once.
 
@@ -49,6 +60,11 @@ class SlotGate:
     pinned ones, yet pinned adapters keep their GPU slots: a step with ``max_loras`` unpinned
     adapters then has no slot for one of them and the engine fails. Keeping in-flight unpinned
     adapters at ``max_loras - pinned`` makes every step fit.
+
+    First in, first out: a job joins an adapter already in flight at once only while nobody
+    waits; otherwise it queues, and waiters are let in oldest first until one does not fit
+    (which keeps its place). A steady stream of jobs for the adapters holding the slots can
+    then not starve a job for another adapter.
 
     Lives on the engine loop: a job waiting for a slot is a coroutine there, let in on the loop
     iteration that frees the slot (no job thread has to wake up first, which at a wave of
@@ -59,36 +75,58 @@ class SlotGate:
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
         self._active: Counter[int] = Counter()
-        self._change: asyncio.Future[None] | None = None
+        self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
 
     def _fits(self, lora_id: int) -> bool:
         return lora_id in self._active or len(self._active) < self._capacity
 
-    def _changed(self) -> None:
-        """Wake every waiter to look again (in the order they started waiting)."""
-        change, self._change = self._change, None
-        if change is not None and not change.done():
-            change.set_result(None)
+    def _admit(self) -> None:
+        """Let waiters in, oldest first, until one does not fit."""
+        while self._waiting:
+            lora_id, entry = self._waiting[0]
+            if entry.done():  # cancelled while it waited
+                self._waiting.popleft()
+                continue
+            if not self._fits(lora_id):
+                return
+            self._waiting.popleft()
+            self._active[lora_id] += 1
+            entry.set_result(None)
+
+    def _release(self, lora_id: int) -> None:
+        self._active[lora_id] -= 1
+        if not self._active[lora_id]:
+            del self._active[lora_id]
+            self._admit()
 
     def set_capacity(self, capacity: int) -> None:
         self._capacity = capacity
-        self._changed()
+        self._admit()
+
+    @property
+    def waiting(self) -> int:
+        """Jobs waiting for a slot now."""
+        return sum(1 for _, entry in self._waiting if not entry.done())
 
     @asynccontextmanager
     async def slot(self, lora_id: int) -> AsyncIterator[None]:
-        while not self._fits(lora_id):
-            if self._change is None:
-                self._change = asyncio.get_running_loop().create_future()
-            # Shielded: a waiter cancelled (deadline, DELETE) must not cancel the others' wake-up.
-            await asyncio.shield(self._change)
-        self._active[lora_id] += 1
+        if not self._waiting and self._fits(lora_id):
+            self._active[lora_id] += 1
+        else:
+            entry = asyncio.get_running_loop().create_future()
+            self._waiting.append((lora_id, entry))
+            try:
+                await entry
+            except asyncio.CancelledError:
+                if entry.done() and not entry.cancelled():
+                    self._release(lora_id)  # let in, then cancelled before it resumed
+                else:
+                    self._admit()  # it may have been the head that held the others back
+                raise
         try:
             yield
         finally:
-            self._active[lora_id] -= 1
-            if not self._active[lora_id]:
-                del self._active[lora_id]
-                self._changed()
+            self._release(lora_id)
 
 
 class SharedQuestion:
@@ -137,7 +175,7 @@ class EngineAdapters:
         self._ids: dict[str, int] = {}
         self._handed: dict[int, str] = {}
         self._pinned: set[int] = set()
-        self._locks: dict[str, threading.Lock] = {}
+        self._loading: dict[str, asyncio.Lock] = {}  # on the engine loop
         self._refused: dict[str, str] = {}  # digest -> the engine's refusal, oldest first
         self._gate = SlotGate(max_loras)
         self._listing = SharedQuestion(lambda: self._host.engine.list_loras())
@@ -154,10 +192,6 @@ class EngineAdapters:
             if digest not in self._ids:
                 self._ids[digest] = len(self._ids) + 1
             return self._ids[digest]
-
-    def _lock_for(self, digest: str) -> threading.Lock:
-        with self._guard:
-            return self._locks.setdefault(digest, threading.Lock())
 
     def request_for(self, alias: str, digest: str) -> LoRARequest:
         return LoRARequest(
@@ -185,6 +219,17 @@ class EngineAdapters:
             answer = self._host.run(self._listing.ask(), remaining_s(deadline_at))
         except TimeoutError:
             raise late("asked the engine which adapters it holds") from None
+        return self._keep(answer, generation)
+
+    async def registered_on_loop(self) -> set[int]:
+        """``registered``, asked on the engine loop (the caller's deadline applies)."""
+        with self._guard:
+            known, generation = self._known, self._generation
+        if known is not None:
+            return known
+        return self._keep(await self._listing.ask(), generation)
+
+    def _keep(self, answer: set[int], generation: int) -> set[int]:
         with self._guard:
             if self._generation == generation and self._in_engine.keys() <= answer:
                 self._known = answer
@@ -230,70 +275,83 @@ class EngineAdapters:
             return "gpu" if lora_id in self._pinned else "cpu"
         return "disk" if self._cache.has(digest) else "remote"
 
-    def make_resident(
+    def stage(
         self,
         alias: str,
         digest: str,
         timings: LoadTimings,
-        registered: set[int],
+        deadline_at: float | None = None,
+        running: Running | None = None,
+    ) -> Staged:
+        """Ensure ``digest`` is on local disk (fetched and verified as it streams if it was
+        not), ready for ``load``; the caller holds it in the disk cache until then.
+
+        On disk in every case, even when the engine has it: vLLM reloads from this path
+        should it drop the adapter from its own cache. ``timings`` receives the phases this
+        call ran (fetch, verify). The download and the wait for disk space end by
+        ``deadline_at`` (unix time), or when ``running`` (the job's attempt) is stopped.
+        """
+        check = running.check if running is not None else None
+        fetched = self._cache.ensure(digest, deadline_at, check)
+        timings.fetch, timings.verify = fetched.fetch_ms, fetched.verify_ms
+        return Staged(self.request_for(alias, digest), digest, fetched.loaded_digest)
+
+    async def load(
+        self,
+        staged: Staged,
+        timings: LoadTimings,
         deadline_at: float | None = None,
         running: Running | None = None,
     ) -> Resident:
-        """Ensure ``digest`` is on disk and registered in the engine from verified files.
+        """On the engine loop: make ``staged`` resident in the engine from verified files.
 
-        The caller holds ``digest`` in the disk cache and passes the engine's ``registered``
-        ids, asked just before. ``timings`` receives the phases this call ran (fetch,
-        verify, engine_load), each as it completes. Every wait (download, disk space, another
-        job's load of the same adapter, the engine) ends by ``deadline_at`` (unix time):
-        past it the job fails ``deadline_exceeded``. ``running`` is the job's attempt (none
-        when preloading): the shared waits end when it is stopped, and an engine that dies
-        while it loads this job's adapter is counted against the job (``in_engine``).
+        A job calls this holding its GPU adapter slot (``slot``), never before: ``add_lora``
+        activates the adapter into a GPU slot at once, evicting the least recently used
+        unpinned one, so a job that loaded and then waited for a slot took the slot of a job
+        that was generating, and the engine's next step swapped it back. Files found on disk
+        are hashed again (in a thread) before the engine reads them; files that no longer
+        match are fetched again. ``timings`` receives verify (when hashed here) and
+        engine_load. ``running`` (none when preloading): an engine that dies while it loads
+        this job's adapter is counted against the job (``in_engine``).
         """
-        check = running.check if running is not None else None
-        request = self.request_for(alias, digest)
+        request, digest = staged.request, staged.digest
         lora_id = request.lora_int_id
-        # On disk in every case, even when the engine has it: vLLM reloads from this path
-        # should it drop the adapter from its own cache (fetched again if evicted).
-        fetched = self._cache.ensure(digest, deadline_at, check)
-        timings.fetch, timings.verify = fetched.fetch_ms, fetched.verify_ms
-        if lora_id in registered and lora_id in self._handed:
+        if lora_id in await self.registered_on_loop() and lora_id in self._handed:
             return Resident(request, self._handed[lora_id])
-        lock = self._lock_for(digest)
-        while True:
-            wait_s = wait_slice(deadline_at, check)
-            if lock.acquire(timeout=-1 if wait_s is None else wait_s):
-                break
-            if check is None or passed(deadline_at):
-                raise late("waited for another job to load its adapter")
-        try:
+        lock = self._loading.setdefault(digest, asyncio.Lock())
+        async with lock:
             # Asked again: another job may have loaded it while this one waited for the lock.
-            if lora_id in self.registered(deadline_at) and lora_id in self._handed:
+            registered = await self.registered_on_loop()
+            if lora_id in registered and lora_id in self._handed:
                 return Resident(request, self._handed[lora_id])
-            if fetched.loaded_digest is None:
-                loaded = self._verify_or_fetch_again(digest, timings, deadline_at)
-            else:
-                loaded = fetched.loaded_digest
+            loaded = staged.verified_digest
+            if loaded is None:
+                loaded = await asyncio.to_thread(
+                    self._verify_or_fetch_again, digest, timings, deadline_at
+                )
             if loaded != digest:
                 raise AdapterIntegrityError(f"Files for {digest} hash to {loaded}; refused.")
             start = time.perf_counter()
-            self._load(request, digest, deadline_at, running)
+            await self._load(request, digest, running)
             timings.engine_load = round((time.perf_counter() - start) * 1000, 3)
             self._handed[lora_id] = loaded
             # The engine's CPU cache makes room by dropping its least recently used adapter.
-            dropped = registered - self.registered(deadline_at)
+            dropped = registered - await self.registered_on_loop()
             if dropped:
                 metrics.EVICTIONS.labels("cpu").inc(len(dropped))
-        finally:
-            lock.release()
         return Resident(request, loaded)
 
-    def _load(
-        self,
-        request: LoRARequest,
-        digest: str,
-        deadline_at: float | None,
-        running: Running | None = None,
-    ) -> None:
+    def make_resident(
+        self, alias: str, digest: str, timings: LoadTimings, deadline_at: float | None = None
+    ) -> Resident:
+        """``stage`` then ``load``, from a thread that holds no slot (preloading at start)."""
+        staged = self.stage(alias, digest, timings, deadline_at)
+        try:
+            return self._host.run(self.load(staged, timings, deadline_at), remaining_s(deadline_at))
+        except TimeoutError:
+            raise late("waited for the engine to load its adapter") from None
+
+    async def _load(self, request: LoRARequest, digest: str, running: Running | None) -> None:
         """``add_lora``, once per digest that the engine refuses: its files never change and
         neither does the engine, so a refusal is final for this process (and retrying it
         could only cost every job of that adapter a load, or worse, the engine).
@@ -309,14 +367,14 @@ class EngineAdapters:
             self.changing()
             try:
                 try:
-                    self._host.run(self._host.engine.add_lora(request), remaining_s(deadline_at))
+                    await self._host.engine.add_lora(request)
                 finally:
                     self.changing()  # an answer given while it loaded may predate the load
                 if running is not None:
                     running.in_engine = False  # loaded: the engine survived this adapter
                 return
-            except TimeoutError:
-                raise late("waited for the engine to load its adapter") from None
+            except EngineDeadError as exc:
+                raise self._host.died(exc) from exc
             except EngineFailed:
                 raise
             except Exception as exc:  # the engine's own refusal (it keeps serving the others)
@@ -357,7 +415,7 @@ class EngineAdapters:
                 f"pinning {alias} would leave no free GPU adapter slot (max_loras="
                 f"{self._max_loras}, already pinned {len(self._pinned)})"
             )
-        resident = self.make_resident(alias, digest, LoadTimings(), self.registered())
+        resident = self.make_resident(alias, digest, LoadTimings())
         try:
             self._host.run(self._host.engine.pin_lora(resident.request.lora_int_id))
         finally:

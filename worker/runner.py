@@ -43,7 +43,7 @@ from worker.errors import (
     StoreUnreachable,
 )
 from worker.inflight import Running
-from worker.residency import EngineAdapters, Resident
+from worker.residency import EngineAdapters, Staged
 from worker.streams import DeltaPublisher, StreamFenced
 
 STREAM_FLUSH_S = 60.0
@@ -54,6 +54,7 @@ STREAM_FLUSH_S = 60.0
 class Generation:
     result: JobResult
     ttft_ms: float | None
+    loaded_digest: str
 
 
 def _check_deadline(message: JobMessage, doing: str) -> None:
@@ -145,30 +146,21 @@ class JobRunner:
                 registered = self._adapters.registered(message.deadline_at)
                 metrics.RESIDENT.labels("cpu").set(len(registered))
                 residency = self._adapters.observe(message.revision, registered)
-                resident = self._adapters.make_resident(
-                    message.adapter,
-                    message.revision,
-                    timings,
-                    registered,
-                    message.deadline_at,
-                    running,
+                staged = self._adapters.stage(
+                    message.adapter, message.revision, timings, message.deadline_at, running
                 )
-                if resident.loaded_digest != message.revision:
-                    # Fail closed: the engine holds something other than the admitted revision.
-                    raise AdapterIntegrityError(
-                        f"Revision {message.revision} was admitted but the engine holds "
-                        f"{resident.loaded_digest}."
-                    )
                 running.check()
                 _check_deadline(message, "waited for its adapter")
-                generation = self._generate_unless_stopped(message, resident, running, last_chance)
+                generation = self._generate_unless_stopped(
+                    message, staged, timings, running, last_chance
+                )
         except EngineFailed:
             raise JobStopped(StopReason.ENGINE_FAILED) from None
         except JobFailure as failure:
             failure.metadata = self._metadata(message, started, residency, timings, None, None)
             raise
         metadata = self._metadata(
-            message, started, residency, timings, resident.loaded_digest, generation.ttft_ms
+            message, started, residency, timings, generation.loaded_digest, generation.ttft_ms
         )
         return generation.result, metadata
 
@@ -197,11 +189,16 @@ class JobRunner:
         )
 
     def _generate_unless_stopped(
-        self, message: JobMessage, resident: Resident, running: Running, last_chance: bool
+        self,
+        message: JobMessage,
+        staged: Staged,
+        timings: LoadTimings,
+        running: Running,
+        last_chance: bool,
     ) -> Generation:
         metrics.JOB_CPU.labels("start").inc(time.thread_time() - running.cpu_began)
         future = self._host.submit(
-            self._generate_by_deadline(message, resident, running, last_chance)
+            self._generate_by_deadline(message, staged, timings, running, last_chance)
         )
         with running.generating(future):
             try:
@@ -232,33 +229,48 @@ class JobRunner:
             yield
 
     async def _generate_by_deadline(
-        self, message: JobMessage, resident: Resident, running: Running, last_chance: bool
+        self,
+        message: JobMessage,
+        staged: Staged,
+        timings: LoadTimings,
+        running: Running,
+        last_chance: bool,
     ) -> Generation:
-        """Wait for a GPU adapter slot, then generate, but no later than the job's deadline:
-        past it (or when the job is cancelled) the engine request is aborted (cancelling
-        ``generate`` aborts it in vLLM) and its batch slot freed."""
-        generating = False
+        """Wait for a GPU adapter slot, load the adapter into the engine, then generate, but
+        no later than the job's deadline: past it (or when the job is cancelled) the engine
+        request is aborted (cancelling ``generate`` aborts it in vLLM) and its batch slot
+        freed."""
+        doing = "waiting for a GPU adapter slot"
 
         async def slotted() -> Generation:
-            nonlocal generating
+            nonlocal doing
             async with (
                 self._alone_if_last_chance(last_chance),
-                self._adapters.slot(resident.request),
+                self._adapters.slot(staged.request),
             ):
                 # A job let in after its engine died (a waiter woken as the dying job left)
                 # never ran under it: it must not count that death against itself.
                 self._host.check_serving()
-                generating = running.in_engine = True
-                return await self._generate(message, resident.request, running.attempt)
+                doing = "loading its adapter into the engine"
+                resident = await self._adapters.load(staged, timings, message.deadline_at, running)
+                if resident.loaded_digest != message.revision:
+                    # Fail closed: the engine holds something other than the admitted revision.
+                    raise AdapterIntegrityError(
+                        f"Revision {message.revision} was admitted but the engine holds "
+                        f"{resident.loaded_digest}."
+                    )
+                doing = "generating"
+                running.in_engine = True
+                result, ttft_ms = await self._generate(message, resident.request, running.attempt)
+                return Generation(result, ttft_ms, resident.loaded_digest)
 
         try:
             return await asyncio.wait_for(slotted(), timeout=message.deadline_at - time.time())
         except TimeoutError:
-            if not generating:
+            if doing != "generating":
                 raise JobFailure(
                     ErrorCode.DEADLINE_EXCEEDED,
-                    "The job reached its deadline while waiting for a GPU adapter slot; it "
-                    "never entered the engine.",
+                    f"The job reached its deadline while {doing}; it never entered the engine.",
                 ) from None
             self._aborted()
             raise JobFailure(
@@ -266,11 +278,13 @@ class JobRunner:
                 "The job reached its deadline while generating; the generation was aborted.",
             ) from None
         except asyncio.CancelledError:
-            if generating:
+            if doing == "generating":
                 self._aborted()
             raise
 
-    async def _generate(self, message: JobMessage, lora: LoRARequest, attempt: int) -> Generation:
+    async def _generate(
+        self, message: JobMessage, lora: LoRARequest, attempt: int
+    ) -> tuple[JobResult, float | None]:
         # Unique per attempt: a redelivered job must not collide with a stale engine request.
         request_id = f"{message.job_id}-{uuid.uuid4().hex[:8]}"
         options: dict[str, Any] = {}
@@ -315,4 +329,4 @@ class JobRunner:
                 total_tokens=len(prompt_token_ids) + len(token_ids),
             ),
         )
-        return Generation(result=result, ttft_ms=ttft)
+        return result, ttft

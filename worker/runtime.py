@@ -332,7 +332,7 @@ class WorkerRuntime:
             try:
                 with self.cache.hold(record.digest):
                     resident = self.adapters.make_resident(
-                        record.alias, record.digest, LoadTimings(), self.adapters.registered()
+                        record.alias, record.digest, LoadTimings()
                     )
             except JobFailure as failure:
                 log.error("warm adapter %s not preloaded: %s", record.alias, failure.message)

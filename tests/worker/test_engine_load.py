@@ -9,11 +9,10 @@ worker after worker until its deadline; a job that merely finds the engine dead 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import Any
 
 import pytest
 from vllm.lora.request import LoRARequest
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from worker.engine import EngineFailed
 from worker.inflight import Running
@@ -21,15 +20,23 @@ from worker.residency import EngineAdapters
 
 
 class Engine:
+    """``add_lora`` that succeeds, or dies as vLLM's engine does (``EngineDeadError``)."""
+
+    def __init__(self, host: Host) -> None:
+        self._host = host
+
     async def add_lora(self, request: LoRARequest) -> bool:
+        self._host.loads += 1
+        if self._host.dies_loading:
+            raise EngineDeadError()
         return True
 
 
 class Host:
-    """``run`` as ``EngineHost.run``: the coroutine, or ``EngineFailed``."""
+    """``check_serving`` and ``died`` as ``EngineHost``'s; the engine is a stand-in."""
 
     def __init__(self, dead_before: bool = False, dies_loading: bool = False) -> None:
-        self.engine = Engine()
+        self.engine = Engine(self)
         self.dead_before = dead_before
         self.dies_loading = dies_loading
         self.loads = 0
@@ -38,21 +45,14 @@ class Host:
         if self.dead_before:
             raise EngineFailed("the engine core process exited")
 
-    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float | None = None) -> Any:
-        if self.dead_before:
-            coro.close()
-            raise EngineFailed("the engine core process exited")
-        self.loads += 1
-        if self.dies_loading:
-            coro.close()
-            raise EngineFailed("the engine core died")
-        return asyncio.run(coro)
+    def died(self, error: EngineDeadError) -> EngineFailed:
+        return EngineFailed(f"the engine core died ({error})")
 
 
 def _load(host: Host, running: Running | None) -> None:
     adapters = EngineAdapters(host, cache=None, max_loras=2)  # type: ignore[arg-type]
     request = LoRARequest(lora_name="a@1234", lora_int_id=1, lora_path="/nowhere")
-    adapters._load(request, "sha256:1234", deadline_at=None, running=running)
+    asyncio.run(adapters._load(request, "sha256:1234", running))
 
 
 def test_a_death_while_loading_a_jobs_adapter_counts_against_that_job() -> None:

@@ -94,3 +94,61 @@ def test_raising_the_capacity_lets_waiters_in() -> None:
 async def _enter(gate: SlotGate, adapter: int) -> None:
     async with gate.slot(adapter):
         pass
+
+
+def test_a_waiter_is_not_starved_by_later_jobs_for_adapters_in_flight() -> None:
+    """First in, first out: while a job waits for a slot, later jobs for the adapter that
+    holds it queue behind it instead of joining, so a steady stream of them cannot keep the
+    slot busy for ever."""
+
+    async def main() -> None:
+        gate = SlotGate(capacity=1)
+        order: list[str] = []
+        stop = asyncio.Event()
+
+        async def popular(n: int) -> None:
+            async with gate.slot(1):
+                order.append(f"popular-{n}")
+                await asyncio.sleep(0.01)
+
+        async def stream() -> None:
+            # Each job starts while the one before still holds the slot.
+            n = 0
+            tasks = []
+            while not stop.is_set() and n < 200:
+                tasks.append(asyncio.create_task(popular(n)))
+                n += 1
+                await asyncio.sleep(0.005)
+            await asyncio.gather(*tasks)
+
+        async def rare() -> None:
+            async with gate.slot(2):
+                order.append("rare")
+                stop.set()
+
+        feeder = asyncio.create_task(stream())
+        await asyncio.sleep(0.02)  # the popular adapter holds the slot
+        await asyncio.wait_for(rare(), 30)
+        await feeder
+        # Only the popular jobs that arrived before the rare one ran ahead of it.
+        arrived_before = order.index("rare")
+        assert "rare" in order
+        assert arrived_before < 20
+        assert order[arrived_before + 1 :], "popular jobs that came later ran after it"
+
+    asyncio.run(main())
+
+
+def test_a_job_admitted_by_the_gate_and_cancelled_before_it_ran_frees_its_slot() -> None:
+    async def main() -> None:
+        gate = SlotGate(capacity=1)
+        async with gate.slot(1):
+            admitted = asyncio.create_task(_enter(gate, 2))
+            await asyncio.sleep(0.01)
+        # The slot was handed to adapter 2's waiter; it is cancelled before it resumes.
+        admitted.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await admitted
+        await asyncio.wait_for(_enter(gate, 3), 5)
+
+    asyncio.run(main())
