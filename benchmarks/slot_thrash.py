@@ -5,7 +5,8 @@ spread over more distinct adapters than either. vLLM logs (at DEBUG) each activa
 adapter into a GPU slot ("Activating LoRA") and each adapter it adds to its CPU cache, read
 from disk ("Adding lora"); this counts both per job, for a worker running the code of
 ``--before`` (a git revision, checked out in a temporary worktree) and for this checkout's,
-alternating A B A B in one run with the same gateway, Redis, S3 and jobs.
+and for this checkout's with ``LORAFLEET_SLOT_BYPASS_JOBS=0`` (strict first-in-first-out),
+alternating A B C A B C in one run with the same gateway, Redis, S3 and jobs.
 
     .venv/bin/python benchmarks/slot_thrash.py --before HEAD~1 [--jobs 240 --adapters 8]
 
@@ -114,7 +115,12 @@ def main() -> None:
     console = Console(width=140)
     scratch = Path(tempfile.mkdtemp(prefix="lorafleet-thrash-"))
     before = worktree(args.before, scratch)
-    results: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+    arms: dict[str, dict[str, str]] = {
+        "before": {"PYTHONPATH": str(before)},
+        "after": {},
+        "after, strict FIFO": {"LORAFLEET_SLOT_BYPASS_JOBS": "0"},
+    }
+    results: dict[str, list[dict[str, Any]]] = {label: [] for label in arms}
     try:
         specs = write_fixtures(scratch / "fixtures", adapters=args.adapters)
         model = scratch / "fixtures" / "base"
@@ -139,14 +145,12 @@ def main() -> None:
                 base_url=stack.gateway_url, headers=auth_headers(stack.api_key), timeout=60
             )
             for round_ in range(args.rounds):
-                for label in ("before", "after"):
-                    env = dict(engine_env)
-                    if label == "before":
-                        env["PYTHONPATH"] = str(before)
+                for n, (label, arm_env) in enumerate(arms.items()):
                     console.print(f"round {round_ + 1}: worker of {label}")
-                    worker = stack.spawn_worker(env, name=f"worker-{label}-{round_}")
+                    name = f"worker-{n}-{round_}"
+                    worker = stack.spawn_worker({**engine_env, **arm_env}, name=name)
                     stack.wait_worker(worker)
-                    log = stack.log_dir / f"worker-{label}-{round_}.log"
+                    log = stack.log_dir / f"{name}.log"
                     mark = log.stat().st_size
                     outcome = run_batch(http, work, args.new_tokens, console)
                     outcome["activations"], outcome["adds"] = count(log, mark)
@@ -163,7 +167,7 @@ def main() -> None:
     table = Table(
         title=f"{args.jobs} jobs x {args.new_tokens} tokens over {args.adapters} adapters, "
         f"max_loras {args.max_loras}, max_cpu_loras {args.max_cpu_loras}; "
-        f"before = {args.before}, {args.rounds} rounds A B"
+        f"before = {args.before}, {args.rounds} rounds A B C"
     )
     for column in (
         "worker",

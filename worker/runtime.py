@@ -118,7 +118,9 @@ class WorkerRuntime:
         self.base_model = base_model_ref(settings.model)
         self.host = EngineHost(EngineOptions.from_settings(settings))
         self.host.on_failure(self._engine_failed)
-        self.adapters = EngineAdapters(self.host, self.cache, settings.max_loras)
+        self.adapters = EngineAdapters(
+            self.host, self.cache, settings.max_loras, settings.slot_bypass_jobs
+        )
         self.deltas = DeltaPublisher(
             self.redis, self.worker_id, settings.lease_ttl_s, self.jobs.note_outage
         )

@@ -96,14 +96,16 @@ async def _enter(gate: SlotGate, adapter: int) -> None:
         pass
 
 
-def test_a_waiter_is_not_starved_by_later_jobs_for_adapters_in_flight() -> None:
-    """First in, first out: while a job waits for a slot, later jobs for the adapter that
-    holds it queue behind it instead of joining, so a steady stream of them cannot keep the
-    slot busy for ever."""
+def _popular_stream_then_rare(bypass_limit: int) -> tuple[list[str], int]:
+    """A stream of jobs for adapter 1, each starting while the one before holds the slot,
+    and one job for adapter 2 among them: the order they entered in, and how many had
+    entered when the rare one asked for a slot."""
 
-    async def main() -> None:
-        gate = SlotGate(capacity=1)
+    async def main() -> tuple[list[str], int]:
+        gate = SlotGate(capacity=1, bypass_limit=bypass_limit)
         order: list[str] = []
+        started = 0
+        entered_before = -1
         stop = asyncio.Event()
 
         async def popular(n: int) -> None:
@@ -112,16 +114,17 @@ def test_a_waiter_is_not_starved_by_later_jobs_for_adapters_in_flight() -> None:
                 await asyncio.sleep(0.01)
 
         async def stream() -> None:
-            # Each job starts while the one before still holds the slot.
-            n = 0
+            nonlocal started
             tasks = []
-            while not stop.is_set() and n < 200:
-                tasks.append(asyncio.create_task(popular(n)))
-                n += 1
-                await asyncio.sleep(0.005)
+            while not stop.is_set() and started < 200:
+                tasks.append(asyncio.create_task(popular(started)))
+                started += 1
+                await asyncio.sleep(0.002)
             await asyncio.gather(*tasks)
 
         async def rare() -> None:
+            nonlocal entered_before
+            entered_before = len(order)  # no await between this and asking for the slot
             async with gate.slot(2):
                 order.append("rare")
                 stop.set()
@@ -130,13 +133,25 @@ def test_a_waiter_is_not_starved_by_later_jobs_for_adapters_in_flight() -> None:
         await asyncio.sleep(0.02)  # the popular adapter holds the slot
         await asyncio.wait_for(rare(), 30)
         await feeder
-        # Only the popular jobs that arrived before the rare one ran ahead of it.
-        arrived_before = order.index("rare")
-        assert "rare" in order
-        assert arrived_before < 20
-        assert order[arrived_before + 1 :], "popular jobs that came later ran after it"
+        return order, entered_before
 
-    asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_waiter_is_not_starved_by_later_jobs_for_adapters_in_flight() -> None:
+    """Strict first in, first out (no bypass): later jobs for the adapter holding the slot
+    queue behind a waiting job instead of joining it."""
+    order, arrived_after = _popular_stream_then_rare(bypass_limit=0)
+    assert order.index("rare") == arrived_after
+    assert len(order) > arrived_after + 1, "popular jobs that came later ran after it"
+
+
+def test_jobs_that_join_ahead_of_a_waiter_are_bounded() -> None:
+    """With a bypass limit, up to that many later jobs for the adapter in flight join it
+    ahead of the waiting job (batching), and no more."""
+    order, arrived_after = _popular_stream_then_rare(bypass_limit=5)
+    assert order.index("rare") == arrived_after + 5
+    assert len(order) > arrived_after + 6
 
 
 def test_a_job_admitted_by_the_gate_and_cancelled_before_it_ran_frees_its_slot() -> None:
