@@ -43,6 +43,20 @@ def _jobs_on(fleet: Fleet, target: Child, count: int) -> list[str]:
     return jobs
 
 
+def _exited_unkilled(fleet: Fleet, expected: list[Child]) -> str:
+    """Each fleet worker that exited, other than ``expected`` (those gone before the test
+    and those it killed): its exit code and its log's last lines (CI once saw one such
+    worker, with no other trace)."""
+    gone = [
+        child
+        for child in fleet.stack.children
+        if child.name.startswith("fleet-worker") and not child.alive() and child not in expected
+    ]
+    return "\n".join(
+        f"{child.name} exited {child.process.returncode}:\n{child.log_tail(40)}" for child in gone
+    )
+
+
 def _assert_handed_over(fleet: Fleet, jobs: list[str], failed_id: str, events: object) -> None:
     for job_id in jobs:
         job = fleet.wait_finished(job_id)
@@ -109,6 +123,7 @@ def test_job_that_kills_every_engine_stops_and_spares_its_batch_mates(fleet: Fle
     keeps dying: after ``MAX_ATTEMPTS`` engine deaths it fails ``attempts_exhausted``, and no
     other job does, although the first death took three of them down with it."""
     workers = fleet.workers()
+    gone_before = [child for child in fleet.stack.children if not child.alive()]
     fleet.pause(workers)
     try:
         poison = StreamingCompletion(fleet)  # streamed: its text shows when it generates
@@ -150,4 +165,5 @@ def test_job_that_kills_every_engine_stops_and_spares_its_batch_mates(fleet: Fle
     assert fleet.admitted() == {"tier": 0, "tenant": 0}
     for worker in fleet.workers():
         fleet.stack.wait_worker(worker)
-    assert len(fleet.workers()) == 2
+    # Only the killed hosts left: any other worker that exited is named with its log.
+    assert len(fleet.workers()) == 2, _exited_unkilled(fleet, gone_before + killed)
