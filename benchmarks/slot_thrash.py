@@ -9,6 +9,7 @@ and for this checkout's with ``LORAFLEET_SLOT_BYPASS_JOBS=0`` (strict first-in-f
 alternating A B C A B C in one run with the same gateway, Redis, S3 and jobs.
 
     .venv/bin/python benchmarks/slot_thrash.py --before HEAD~1 [--jobs 240 --adapters 8]
+        [--rate 4]   (jobs arriving one by one while others run, instead of one batch)
 
 The CPU is shared: client, gateway, Redis, worker and engine run on the same 2 cores.
 """
@@ -59,16 +60,26 @@ def count(log: Path, start: int) -> tuple[int, int]:
     return text.count(ACTIVATED), text.count(ADDED)
 
 
+def _sampling(new_tokens: int) -> dict[str, Any]:
+    return {"max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+def _summary(jobs: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    e2e = sorted(job["metadata"]["e2e_ms"] for job in jobs if job["status"] == "succeeded")
+    return {
+        "wall_s": wall_s,
+        "failed": sum(job["status"] != "succeeded" for job in jobs),
+        "e2e_p50": statistics.median(e2e) if e2e else float("nan"),
+        "e2e_p95": e2e[int(0.95 * (len(e2e) - 1))] if e2e else float("nan"),
+    }
+
+
 def run_batch(
     http: httpx.Client, work: list[tuple[str, str]], new_tokens: int, console: Console
 ) -> dict[str, Any]:
+    """Every job at once, as one batch."""
     requests = [
-        {
-            "custom_id": str(n),
-            "adapter": alias,
-            "prompt": prompt,
-            "sampling": {"max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True},
-        }
+        {"custom_id": str(n), "adapter": alias, "prompt": prompt, "sampling": _sampling(new_tokens)}
         for n, (alias, prompt) in enumerate(work)
     ]
     start = time.perf_counter()
@@ -77,29 +88,46 @@ def run_batch(
     batch_id = batch.json()["id"]
     while True:
         state = http.get(f"/v1/batches/{batch_id}").json()
-        counts = state["request_counts"]
-        console.print(f"  {counts}", end="\r")
-        if state["status"] in {"completed", "failed", "cancelled", "expired"}:
+        console.print(f"  {state['request_counts']}", end="\r")
+        if state["status"] in {"completed", "cancelled"}:
             break
         time.sleep(0.5)
     wall_s = time.perf_counter() - start
     console.print()
     lines = http.get(f"/v1/batches/{batch_id}/results").text.splitlines()
-    e2e = []
-    failed = 0
-    for line in lines:
-        entry = json.loads(line)
-        if entry["status"] != "succeeded":
-            failed += 1
-            continue
-        e2e.append(entry["metadata"]["e2e_ms"])
-    e2e.sort()
-    return {
-        "wall_s": wall_s,
-        "failed": failed,
-        "e2e_p50": statistics.median(e2e) if e2e else float("nan"),
-        "e2e_p95": e2e[int(0.95 * (len(e2e) - 1))] if e2e else float("nan"),
-    }
+    return _summary([json.loads(line) for line in lines], wall_s)
+
+
+def run_open_loop(
+    http: httpx.Client,
+    work: list[tuple[str, str]],
+    new_tokens: int,
+    rate: float,
+    console: Console,
+) -> dict[str, Any]:
+    """Jobs arriving one by one at Poisson times (``rate`` a second), whatever is running."""
+    rng = random.Random(11)
+    start = time.perf_counter()
+    due = start
+    ids = []
+    for n, (alias, prompt) in enumerate(work, 1):
+        due += rng.expovariate(rate)
+        time.sleep(max(0.0, due - time.perf_counter()))
+        body = {"adapter": alias, "prompt": prompt, "sampling": _sampling(new_tokens)}
+        response = http.post("/v1/jobs", json=body)
+        response.raise_for_status()
+        ids.append(response.json()["id"])
+        console.print(f"  submitted {n}/{len(work)}", end="\r")
+    jobs = []
+    for job_id in ids:
+        while True:
+            job = http.get(f"/v1/jobs/{job_id}", params={"wait_s": 20}).json()
+            if job["status"] in {"succeeded", "failed", "cancelled"}:
+                jobs.append(job)
+                break
+    wall_s = time.perf_counter() - start
+    console.print()
+    return _summary(jobs, wall_s)
 
 
 def main() -> None:
@@ -111,6 +139,12 @@ def main() -> None:
     parser.add_argument("--max-cpu-loras", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="jobs a second, arriving one by one (Poisson); 0: all at once as one batch",
+    )
     args = parser.parse_args()
     console = Console(width=140)
     scratch = Path(tempfile.mkdtemp(prefix="lorafleet-thrash-"))
@@ -152,7 +186,10 @@ def main() -> None:
                     stack.wait_worker(worker)
                     log = stack.log_dir / f"{name}.log"
                     mark = log.stat().st_size
-                    outcome = run_batch(http, work, args.new_tokens, console)
+                    if args.rate > 0:
+                        outcome = run_open_loop(http, work, args.new_tokens, args.rate, console)
+                    else:
+                        outcome = run_batch(http, work, args.new_tokens, console)
                     outcome["activations"], outcome["adds"] = count(log, mark)
                     results[label].append(outcome)
                     stack.stop_child(worker)
@@ -167,7 +204,8 @@ def main() -> None:
     table = Table(
         title=f"{args.jobs} jobs x {args.new_tokens} tokens over {args.adapters} adapters, "
         f"max_loras {args.max_loras}, max_cpu_loras {args.max_cpu_loras}; "
-        f"before = {args.before}, {args.rounds} rounds A B C"
+        f"before = {args.before}, {args.rounds} rounds A B C; "
+        + (f"Poisson arrivals at {args.rate}/s" if args.rate > 0 else "one batch")
     )
     for column in (
         "worker",
