@@ -148,11 +148,15 @@ def admit_call(
     limits: Limits,
     ttl_s: int,
     message: str | None = None,
+    queue: str | None = None,
 ) -> tuple[list[str], list[str | int | float]]:
     """``(keys, args)`` of ``ADMIT`` for a new ``job`` (its record is written if admitted);
     ``expires_at`` is its deadline + ``LEDGER_GRACE_S``. ``message``, if given, is pushed
-    onto the job's queue in the same step."""
-    queue = queue_for(job.tier) if message is not None else NO_KEY
+    in the same step onto ``queue`` (default: the job's tier queue)."""
+    if message is None:
+        queue = NO_KEY
+    elif queue is None:
+        queue = queue_for(job.tier)
     keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id), DEADLINES, queue]
     args: list[str | int | float] = [
         job.id,
@@ -192,11 +196,13 @@ ADMIT_BATCH = (
     + TAKE_TOKEN_LUA
     + _WITHDRAWN_LUA
     + """
--- KEYS: 1 tenant ledger, 2 rate bucket, 3 batch hash, 4 batch lines, 5..7 tier ledgers (hot,
--- warm, cold), 8 deadline index, 9..11 tier queues (or a placeholder), 12.. one job key per
--- job. ARGV: 1 tenant max, 2 rate, 3 burst, 4..6 tier maxima, 7 expiry, 8 ttl, 9 batch
--- record, 10 batch webhook url, 11 tenant, 12 total, 13 deadline (expiry - grace), then per
--- job: id, tier index (0..2), record, line, queue message ('' if published elsewhere).
+-- KEYS: 1 tenant ledger, 2 rate bucket, 3 batch hash, 4 batch lines, 5..7 tier ledgers
+-- (hot, warm, cold), 8 deadline index, 9..11 tier queues (or a placeholder; not used here),
+-- 12.. one job key per job, then (when messages are pushed here) the queue of each job's
+-- message: its tier's, or the own queue of the worker it was routed to.
+-- ARGV: 1 tenant max, 2 rate, 3 burst, 4..6 tier maxima, 7 expiry, 8 ttl, 9 batch record,
+-- 10 batch webhook url, 11 tenant, 12 total, 13 deadline (expiry - grace), then per job: id,
+-- tier index (0..2), record, line, queue message ('' if published elsewhere).
 -- Run again (a client retrying after its reply was lost): admitted already, and only once;
 -- or withdrawn meanwhile (this copy waited in Redis's input after its caller gave up).
 if redis.call('HEXISTS', KEYS[3], WITHDRAWN) == 1 then return {'withdrawn', '0'} end
@@ -204,7 +210,6 @@ if redis.call('EXISTS', KEYS[3]) == 1 then return {'admitted', '0'} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local tiers = {KEYS[5], KEYS[6], KEYS[7]}
-local queues = {KEYS[9], KEYS[10], KEYS[11]}
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local wanted = {0, 0, 0}
 local total = tonumber(ARGV[12])
@@ -232,7 +237,7 @@ for i = 0, total - 1 do
   redis.call('HSET', KEYS[12 + i], 'status', 'queued', 'record', ARGV[base + 2], 'attempts', 0)
   redis.call('EXPIRE', KEYS[12 + i], ARGV[8])
   redis.call('RPUSH', KEYS[4], ARGV[base + 3])
-  if ARGV[base + 4] ~= '' then redis.call('LPUSH', queues[tier], ARGV[base + 4]) end
+  if ARGV[base + 4] ~= '' then redis.call('LPUSH', KEYS[12 + total + i], ARGV[base + 4]) end
 end
 redis.call('HSET', KEYS[3], 'record', ARGV[9], 'tenant', ARGV[11], 'total', total,
            'finished', 0, 'succeeded', 0, 'failed', 0, 'cancelled', 0)
@@ -309,9 +314,11 @@ def admit_batch_call(
     limits: BatchLimits,
     ttl_s: int,
     messages: list[str] | None = None,
+    queues: list[str] | None = None,
 ) -> tuple[list[str], list[str | int | float]]:
     """``(keys, args)`` of ``ADMIT_BATCH``; ``messages`` (one per job, in order), if given,
-    are pushed onto the jobs' queues in the same step."""
+    are pushed in the same step onto ``queues`` (one per job; default: each job's tier
+    queue)."""
     args: list[str | int | float] = [
         limits.tenant_max,
         repr(limits.rate_per_s),
@@ -334,7 +341,10 @@ def admit_batch_call(
             line.model_dump_json(),
             message,
         ]
-    return _batch_keys(batch.id, batch.tenant, jobs, messages is not None), args
+    keys = _batch_keys(batch.id, batch.tenant, jobs, messages is not None)
+    if messages is not None:
+        keys += queues if queues is not None else [queue_for(job.tier) for job in jobs]
+    return keys, args
 
 
 def withdraw_batch_call(

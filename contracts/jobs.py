@@ -75,6 +75,18 @@ class JobCreate(BaseModel):
     )
 
 
+RoutedAs = Literal["resident", "placed", "shared"]
+
+
+class Routed(BaseModel):
+    """The gateway's routing decision for a job (``contracts.routing``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    decision: RoutedAs
+    worker: str = Field(description="the worker (`host:pid:boot`) whose own queue it went to")
+
+
 class JobMessage(BaseModel):
     """What the gateway puts on a tier queue: the revision is fixed at admission."""
 
@@ -94,13 +106,19 @@ class JobMessage(BaseModel):
     sampling: Sampling
     accepted_at: float = Field(description="gateway clock, unix seconds")
     deadline_at: float = Field(description="gateway clock, unix seconds")
+    routed: Routed | None = Field(
+        default=None,
+        description="set when the job went to a worker's own queue; absent: the shared queue",
+    )
 
     def wire(self) -> dict[str, object]:
-        """The message as it is published. Sampling parameters added after the first release
-        are written only when they are not neutral: during a rolling deploy a worker that
-        predates them (it forbids unknown fields) still runs every job that does not use
-        them."""
+        """The message as it is published. Fields added after the first release are written
+        only when they are not neutral: during a rolling deploy a worker that predates them
+        (it forbids unknown fields) still runs every job that does not use them (and no job
+        is routed to a worker that does not announce a queue of its own)."""
         data = self.model_dump(mode="json")
+        if data["routed"] is None:
+            del data["routed"]
         sampling = data["sampling"]
         for name in ADDED_SAMPLING:
             if sampling[name] == Sampling.model_fields[name].default:
@@ -165,6 +183,16 @@ class ResultMetadata(BaseModel):
     e2e_ms: float
     worker: str
     engine: EngineInfo
+    routed: RoutedAs = Field(
+        default="shared",
+        description="where the gateway sent it: `resident` (the own queue of a worker holding "
+        "its adapter), `placed` (of the worker chosen to hold it), `shared` (the tier's queue)",
+    )
+    routed_to: str | None = Field(
+        default=None,
+        description="the worker it was routed to (`host:pid:boot`); when that is not the "
+        "worker that ran it, the job was handed back to the shared queue",
+    )
 
 
 class Usage(BaseModel):

@@ -74,6 +74,11 @@ def held_key(worker_id: str) -> str:
 WORKERS_INDEX = f"{PREFIX}:workers"
 """Set of the ids (``host:pid:boot``) of workers that have announced themselves."""
 
+WORKER_QUEUES = f"{PREFIX}:worker-queues"
+"""Sorted set ``worker id -> unix time it last announced itself serving``: whose own queue
+(``contracts.routing.worker_queue``) the reapers watch, so that no routed job is stranded in
+the queue of a worker that stopped, drains or died (``worker.reaper``)."""
+
 
 def tenant_key(name: str) -> str:
     """JSON ``TenantRecord``."""

@@ -10,6 +10,8 @@ QUEUE_OLDEST_AGE = "lorafleet_queue_oldest_age_seconds"
 JOBS_ADMITTED = "lorafleet_jobs_admitted_total"
 ADMISSIONS_REFUSED = "lorafleet_admissions_refused_total"
 ADAPTER_REQUESTS = "lorafleet_adapter_requests_total"
+ROUTING_DECISIONS = "lorafleet_routing_decisions_total"
+ADAPTER_COPIES = "lorafleet_adapters_by_copies"
 # Gateway (cancellations) and worker (everything else)
 JOBS_FINISHED = "lorafleet_jobs_finished_total"
 # Gateway and worker: registry records a reader skipped because they do not parse
@@ -39,6 +41,8 @@ ALL = frozenset(
         JOBS_ADMITTED,
         ADMISSIONS_REFUSED,
         ADAPTER_REQUESTS,
+        ROUTING_DECISIONS,
+        ADAPTER_COPIES,
         JOBS_FINISHED,
         REGISTRY_RECORDS_INVALID,
         JOB_E2E,

@@ -68,3 +68,14 @@ def task_message(task: str, task_id: str, queue: str, args: list[Any], summary: 
         },
     }
     return json.dumps(envelope, separators=(",", ":"))
+
+
+def accepted_at(raw: str | bytes) -> float | None:
+    """When the job in a job message (as ``task_message`` writes it) was admitted; ``None``
+    for a message that is not one."""
+    try:
+        envelope = json.loads(raw)
+        args, _kwargs, _embed = json.loads(base64.b64decode(envelope["body"]))
+        return float(args[0]["accepted_at"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None

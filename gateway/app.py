@@ -20,6 +20,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels
 from gateway.queue import JobQueues
 from gateway.routes import batches, files, fleet, health, jobs, openai
+from gateway.routing import FleetRouter
 from gateway.streams import StreamHub, reader_client
 from gateway.submit import Submitter
 from gateway.waiter import JobWaiter
@@ -49,8 +50,15 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         queues = JobQueues(settings)
         app.state.models = BaseModels(app.state.redis)
         app.state.metrics = GatewayMetrics(settings.metrics_top_adapters)
+        app.state.router = FleetRouter(app.state.redis, settings, app.state.metrics)
+        app.state.router.start()
         app.state.submitter = Submitter(
-            app.state.redis, queues, app.state.models, app.state.metrics, settings
+            app.state.redis,
+            queues,
+            app.state.models,
+            app.state.metrics,
+            settings,
+            app.state.router,
         )
         app.state.batches = Batches(app.state.redis, app.state.submitter, settings)
         app.state.files = Files(app.state.redis, app.state.batches, settings)
@@ -73,6 +81,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         finally:
             await app.state.streams.stop()
             await app.state.waiter.stop()
+            await app.state.router.stop()
             await reader.aclose()
             await events.aclose()
             await app.state.redis.aclose()

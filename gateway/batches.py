@@ -33,6 +33,7 @@ from gateway.errors import ApiError, problem
 from gateway.openai_schemas import DEFAULT_MAX_TOKENS, ChatCompletionCreate, CompletionCreate
 from gateway.queue import job_message
 from gateway.registry import Resolved
+from gateway.routing import destination
 from gateway.submit import (
     Prepared,
     Submission,
@@ -388,6 +389,7 @@ class Batches:
                 limits,
                 self._settings.job_ttl_s,
                 messages=encoded if queues.inline else None,
+                queues=[destination(message) for message in messages],
             )
             reply = await self._admit_script(keys=keys, args=args)
             verdict, tier = admission.batch_verdict(reply)

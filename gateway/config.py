@@ -95,6 +95,33 @@ class GatewaySettings(ServiceSettings):
     fleet_max_queue_age_s: float = Field(
         default=30.0, gt=0, description="Oldest waiting job age that asks for one more worker."
     )
+    routing: bool = Field(
+        default=True,
+        description="Route each job to a worker that holds its adapter (or is chosen to), "
+        "through that worker's own queue; off: every job goes to its tier's shared queue. "
+        'The policy: README, "Routing".',
+    )
+    route_max_copies: int = Field(
+        default=2,
+        ge=1,
+        description="Workers routing lets hold one adapter; a new copy is placed only when "
+        "every holder is overloaded.",
+    )
+    route_overload_ratio: float = Field(
+        default=1.0,
+        gt=0,
+        description="A worker is overloaded for routing once its running plus waiting jobs "
+        "reach this times its concurrency.",
+    )
+    route_refresh_s: float = Field(
+        default=0.5, gt=0, description="How often the gateway reads the fleet's announcements."
+    )
+    route_view_max_age_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="A view of the fleet older than this (Redis unreachable) is not routed "
+        "on: jobs go to the shared queues.",
+    )
     metrics_public: bool = Field(
         default=False,
         description="Serve `/metrics` without a key (only where the gateway port is private); "

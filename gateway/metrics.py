@@ -23,6 +23,10 @@ REGISTRY_RECORDS_INVALID = Counter(
 shown by every app in it."""
 
 
+COPIES_LABELS = 8
+"""``lorafleet_adapters_by_copies`` has a label per copy count up to this one ('8+')."""
+
+
 class GatewayMetrics:
     def __init__(self, top_adapters: int) -> None:
         self.registry = CollectorRegistry()
@@ -45,6 +49,19 @@ class GatewayMetrics:
             ["adapter"],
             registry=r,
         )
+        self.routing = Counter(
+            names.ROUTING_DECISIONS,
+            "Jobs routed at admission, by tier and decision (resident, placed, shared).",
+            ["tier", "decision"],
+            registry=r,
+        )
+        self.copies = Gauge(
+            names.ADAPTER_COPIES,
+            "Adapters held by this many live workers (any level), as the gateway last read the "
+            f"fleet; copies 1..{COPIES_LABELS - 1}, then '{COPIES_LABELS}+'.",
+            ["copies"],
+            registry=r,
+        )
         self.queue_depth = Gauge(names.QUEUE_DEPTH, "Jobs waiting.", ["tier"], registry=r)
         self.unfinished = Gauge(
             names.ADMITTED_UNFINISHED, "Jobs admitted, not finished.", ["tier"], registry=r
@@ -65,6 +82,15 @@ class GatewayMetrics:
                 self._named.add(alias)
             label = alias if alias in self._named else names.OTHER
         self.adapter_requests.labels(label).inc()
+
+    def fleet_copies(self, per_adapter: dict[str, int]) -> None:
+        """Set the copies gauge from ``adapter -> copies`` (bounded labels, not adapters)."""
+        counts = [0] * (COPIES_LABELS + 1)
+        for held in per_adapter.values():
+            counts[min(held, COPIES_LABELS)] += 1
+        for held in range(1, COPIES_LABELS + 1):
+            label = str(held) if held < COPIES_LABELS else f"{COPIES_LABELS}+"
+            self.copies.labels(label).set(counts[held])
 
     def job_cancelled(self, tier: Tier) -> None:
         self.finished.labels(tier.value, "cancelled", "cancelled").inc()

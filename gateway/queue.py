@@ -16,11 +16,15 @@ from contracts.queues import RUN_JOB_TASK, queue_for
 from contracts.redis_policy import async_client
 from contracts.task_messages import task_message
 from gateway.config import GatewaySettings
+from gateway.routing import destination
 
 
 def job_message(message: JobMessage) -> str:
     """``message`` as the Celery task message a worker consumes (``lorafleet.run_job``)."""
     summary = f"job {message.job_id} ({message.adapter}, {message.tier.value})"
+    # The tier's queue, also for a message pushed onto a worker's own: kombu restores an
+    # unacknowledged message to the queue its envelope names, so a routed job whose worker
+    # dies comes back to the shared queue, never to the dead worker's.
     return task_message(
         RUN_JOB_TASK, message.job_id, queue_for(message.tier), [message.wire()], summary
     )
@@ -49,7 +53,7 @@ class JobQueues:
         assert self._broker is not None, "inline queues are pushed by the admission script"
         async with self._broker.pipeline(transaction=False) as pipe:
             for message, body in zip(messages, encoded, strict=True):
-                pipe.lpush(queue_for(message.tier), body)
+                pipe.lpush(destination(message), body)
             await pipe.execute()
 
     async def close(self) -> None:

@@ -40,6 +40,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels, ChatTemplateError, ServedModel
 from gateway.queue import JobQueues, job_message
 from gateway.registry import Resolved
+from gateway.routing import FleetRouter, destination
 from gateway.webhooks import check_target
 
 log = logging.getLogger(__name__)
@@ -105,9 +106,11 @@ class Submitter:
         models: BaseModels,
         metrics: GatewayMetrics,
         settings: GatewaySettings,
+        router: FleetRouter | None = None,
     ) -> None:
         self._redis = redis
         self.queues = queues
+        self._router = router
         self._admit_script = redis.register_script(admission.ADMIT)
         self._withdraw_script = redis.register_script(admission.WITHDRAW)
         self._models = models
@@ -366,6 +369,9 @@ class Submitter:
             sampling=request.sampling,
             accepted_at=accepted_at,
             deadline_at=deadline_at,
+            routed=self._router.route(record.base_model.digest, record.tier, record.digest)
+            if self._router is not None
+            else None,
         )
         return job, message
 
@@ -399,6 +405,7 @@ class Submitter:
                 limits,
                 self._settings.job_ttl_s,
                 message=encoded if self.queues.inline else None,
+                queue=destination(message),
             )
             verdict = admission.verdict(await self._admit_script(keys=keys, args=args))
             if verdict.refusal is not None:

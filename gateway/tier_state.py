@@ -4,14 +4,13 @@ alike, in one pipelined round trip."""
 
 from __future__ import annotations
 
-import base64
-import json
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
 from contracts.keys import tier_ledger_key
 from contracts.queues import Tier, queue_for
+from contracts.task_messages import accepted_at as oldest_accepted_at
 
 
 @dataclass(frozen=True)
@@ -20,16 +19,6 @@ class TierState:
     admitted_unfinished: int
     oldest_waiting_s: float
     """0 when nothing waits (or the oldest message can't be read)."""
-
-
-def oldest_accepted_at(raw: str) -> float | None:
-    """When the job in a kombu message (Celery protocol 2) was admitted."""
-    try:
-        envelope = json.loads(raw)
-        args, _kwargs, _embed = json.loads(base64.b64decode(envelope["body"]))
-        return float(args[0]["accepted_at"])
-    except (ValueError, KeyError, IndexError, TypeError):
-        return None
 
 
 async def tier_states(redis: Redis, now: float) -> dict[Tier, TierState]:

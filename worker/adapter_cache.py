@@ -139,6 +139,8 @@ class AdapterCache:
         self._fetcher = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_downloads, thread_name_prefix="adapter-download"
         )
+        self.on_change: Callable[[], None] = lambda: None
+        """Called (lock held: it must not block) when an adapter arrives or leaves the disk."""
         self._scan()
 
     def _scan(self) -> None:
@@ -168,6 +170,16 @@ class AdapterCache:
         """Bytes of cached entries plus downloads in flight."""
         with self._cond:
             return sum(self._entries.values()) + self._reserved
+
+    def _changed(self) -> None:
+        """An entry came or went (``_cond`` held)."""
+        metrics.RESIDENT.labels("disk").set(len(self._entries))
+        self.on_change()
+
+    def digests(self) -> list[str]:
+        """The adapters on local disk now."""
+        with self._cond:
+            return list(self._entries)
 
     def path_for(self, digest: str) -> Path:
         return self._root / "adapters" / digest.removeprefix(DIGEST_PREFIX)
@@ -275,7 +287,7 @@ class AdapterCache:
         target = self._root / "quarantine" / f"{path.name}.{uuid.uuid4().hex[:8]}"
         with self._cond:
             self._entries.pop(digest, None)
-            metrics.RESIDENT.labels("disk").set(len(self._entries))
+            self._changed()
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.rename(path, target)
@@ -298,7 +310,7 @@ class AdapterCache:
             used -= self._entries.pop(digest)
             shutil.rmtree(self.path_for(digest), ignore_errors=True)
             metrics.EVICTIONS.labels("disk").inc()
-            metrics.RESIDENT.labels("disk").set(len(self._entries))
+            self._changed()
             log.info("disk cache evicted %s", digest)
         return used + needed <= self._max_bytes
 
@@ -339,7 +351,7 @@ class AdapterCache:
             self._place(tmp, final)
             with self._cond:
                 self._entries[digest] = manifest.size_bytes
-                metrics.RESIDENT.labels("disk").set(len(self._entries))
+                self._changed()
             return Fetched(final, loaded, fetch_ms, _ms(verify_start))
         except OSError as exc:
             # The disk, not the store or the job: full, read-only, a path that is not a

@@ -31,12 +31,14 @@ from typing import Any
 
 from celery import Celery
 from celery.signals import (
+    celeryd_after_setup,
     task_received,
     worker_init,
     worker_ready,
     worker_shutdown,
     worker_shutting_down,
 )
+from kombu import Queue
 from kombu.transport.redis import Channel as RedisChannel
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -152,6 +154,16 @@ def _start_runtime(**_: Any) -> None:
         candidate.close()
         raise SystemExit(1) from None
     _runtime = candidate
+
+
+@celeryd_after_setup.connect
+def _consume_own_queue(instance: Any, **_: Any) -> None:
+    # After ``--queues`` was applied (it replaces the set): this worker also takes the jobs the
+    # gateways route to it. Never declared: nothing publishes to it through an exchange (the
+    # admission script pushes onto the list), and a declaration would leave a binding key
+    # behind for every worker that ever ran.
+    if _runtime is not None:
+        instance.app.amqp.queues.select_add(Queue(_runtime.queue, no_declare=True))
 
 
 @worker_ready.connect

@@ -154,6 +154,18 @@ class WorkerSettings(ServiceSettings):
         description="Worker heartbeat period; a worker silent for 4 periods + 2 s is dead and "
         "its jobs go back to their queues.",
     )
+    residency_publish_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="How often a worker publishes the adapters it holds and its load for "
+        "routing (and within 0.2 s of a change of its adapters).",
+    )
+    route_max_wait_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="A routed job still waiting in a worker's own queue this long after "
+        "admission goes back to its tier's shared queue (checked every restore interval).",
+    )
     queues: str = Field(
         default="lorafleet.hot,lorafleet.warm,lorafleet.cold",
         description="Queues this worker consumes (the Procfile hands the same variable to Celery).",

@@ -24,12 +24,17 @@ nothing: a restored job waits for the lease of the attempt still running it
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 
 from kombu import Connection
 from redis import Redis
 
-from contracts.keys import WORKERS_INDEX, held_key, worker_key
+from contracts import routing
+from contracts.keys import WORKER_QUEUES, WORKERS_INDEX, held_key, worker_key
+from contracts.queues import Tier, queue_for
+from contracts.task_messages import accepted_at
 from worker.background import Periodic
 
 log = logging.getLogger(__name__)
@@ -83,3 +88,104 @@ def _host_pid(worker_id: str) -> str | None:
     """``host:pid`` of a ``host:pid:boot`` worker id (``None`` for an id without a boot)."""
     host, pid, *boot = worker_id.split(":")
     return f"{host}:{pid}" if boot else None
+
+
+QUEUE_FORGET_S = 120.0
+"""A gone worker's own queue is forgotten this long after it last announced itself serving
+(and only once empty): far longer than a gateway routes on an old view of the fleet
+(``LORAFLEET_ROUTE_VIEW_MAX_AGE_S``), so no routed job arrives after it is forgotten."""
+
+FORGET_IF_EMPTY = """
+if redis.call('LLEN', KEYS[2]) == 0 then return redis.call('ZREM', KEYS[1], ARGV[1]) end
+return 0
+"""
+
+
+def hand_back(redis: Redis, worker_id: str, limit: int = 0) -> int:
+    """Move the ``limit`` oldest jobs (0: all) of ``worker_id``'s own queue back to their
+    tiers' shared queues, in one script; how many moved."""
+    moved = redis.eval(
+        routing.HANDBACK,
+        1,
+        routing.worker_queue(worker_id),
+        *routing.handback_args(limit, queue_for(Tier.HOT)),
+    )
+    return int(moved)  # type: ignore[arg-type]
+
+
+class QueueKeeper(Periodic):
+    """No routed job is stranded in a worker's own queue (``contracts.routing``): every
+    worker, every ``interval_s``, hands back to the shared queues everything waiting in the
+    queue of a worker that is gone, draining or failed, and the jobs that have waited longer
+    than ``max_wait_s`` since admission in the queue of a serving one (it stopped consuming,
+    or is slower than the gateway thought). Several workers doing this at once is harmless:
+    each move is one script, so a job is in one queue or the other."""
+
+    def __init__(self, redis: Redis, interval_s: float, max_wait_s: float) -> None:
+        self._redis = redis
+        self._max_wait_s = max_wait_s
+        super().__init__("queue-keeper", interval_s)
+
+    def step(self) -> int:
+        return self.sweep()
+
+    def sweep(self) -> int:
+        now = time.time()
+        watched: list[tuple[str, float]] = self._redis.zrange(  # type: ignore[assignment]
+            WORKER_QUEUES, 0, -1, withscores=True
+        )
+        if not watched:
+            return 0
+        ids = [str(worker_id) for worker_id, _ in watched]
+        records = self._redis.mget([worker_key(worker_id) for worker_id in ids])
+        moved = 0
+        for (worker_id, seen), raw in zip(watched, records, strict=True):  # type: ignore[arg-type]
+            state = json.loads(raw).get("state") if raw is not None else None
+            if state != "serving":
+                handed = hand_back(self._redis, worker_id)
+                if handed:
+                    log.warning(
+                        "worker %s is %s: %d routed job(s) back to the shared queues",
+                        worker_id,
+                        state or "gone",
+                        handed,
+                    )
+                moved += handed
+                if raw is None and float(seen) < now - QUEUE_FORGET_S:
+                    self._redis.eval(
+                        FORGET_IF_EMPTY,
+                        2,
+                        WORKER_QUEUES,
+                        routing.worker_queue(worker_id),
+                        worker_id,
+                    )
+            else:
+                moved += self._expire(worker_id, now)
+        return moved
+
+    def _expire(self, worker_id: str, now: float) -> int:
+        """Hand back the jobs of a serving worker's queue admitted over ``max_wait_s`` ago."""
+        queue = routing.worker_queue(worker_id)
+        oldest = self._redis.lindex(queue, -1)  # kombu pushes left and pops right
+        if oldest is None:
+            return 0
+        cutoff = now - self._max_wait_s
+        accepted = accepted_at(oldest)  # type: ignore[arg-type]
+        if accepted is not None and accepted > cutoff:
+            return 0
+        waiting = self._redis.lrange(queue, 0, -1)
+        stale = sum(
+            1
+            for raw in waiting  # type: ignore[union-attr]
+            if (when := accepted_at(raw)) is None or when <= cutoff
+        )
+        handed = hand_back(self._redis, worker_id, max(stale, 1))
+        if handed:
+            log.warning(
+                "%d routed job(s) waited over %.0f s in the queue of worker %s: back to the "
+                "shared queues",
+                handed,
+                self._max_wait_s,
+                worker_id,
+            )
+        return handed

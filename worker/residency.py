@@ -199,6 +199,9 @@ class EngineAdapters:
         # not kept: the engine loads that adapter when it schedules its request, evicting
         # another, so the answer is about to change.
         self._in_engine: Counter[int] = Counter()
+        self.on_change: Callable[[], None] = lambda: None
+        """Called (``_guard`` held: it must not block) when the engine's adapters may have
+        changed."""
 
     def _id_for(self, digest: str) -> int:
         with self._guard:
@@ -257,6 +260,7 @@ class EngineAdapters:
         """``changing``, with ``_guard`` held."""
         self._generation += 1
         self._known = None
+        self.on_change()
 
     @contextmanager
     def entering(self, request: LoRARequest) -> Iterator[None]:
@@ -280,6 +284,22 @@ class EngineAdapters:
                     # It may have loaded its adapter: an answer asked before that, still on
                     # its way back, must not be kept now that nothing in the engine lacks.
                     self._forget()
+
+    def levels(self, timeout_s: float) -> dict[str, str] | None:
+        """Digest -> ``pinned`` or ``engine`` of every adapter the engine holds now (its own
+        answer, as ``registered``); ``None`` if it did not answer within ``timeout_s``."""
+        try:
+            held = self.registered(time.time() + timeout_s)
+        except (JobFailure, EngineFailed):
+            return None
+        with self._guard:
+            digests = {lora_id: digest for digest, lora_id in self._ids.items()}
+            pinned = set(self._pinned)
+        return {
+            digests[lora_id]: "pinned" if lora_id in pinned else "engine"
+            for lora_id in held
+            if lora_id in digests
+        }
 
     def observe(self, digest: str, registered: set[int]) -> Residency:
         """Residency of ``digest`` given the engine's ``registered`` ids (just asked)."""

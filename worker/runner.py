@@ -186,6 +186,8 @@ class JobRunner:
             e2e_ms=round((time.time() - message.accepted_at) * 1000, 3),
             worker=self._hostname,
             engine=EngineInfo(name=ENGINE_NAME, version=ENGINE_VERSION),
+            routed=message.routed.decision if message.routed else "shared",
+            routed_to=message.routed.worker if message.routed else None,
         )
 
     def _generate_unless_stopped(

@@ -27,9 +27,10 @@ from celery.worker import state as celery_state
 
 from contracts.digests import manifest_of
 from contracts.jobs import JobMessage, LoadTimings
-from contracts.keys import WORKERS_INDEX, held_key, worker_key
+from contracts.keys import WORKER_QUEUES, WORKERS_INDEX, held_key, worker_key
 from contracts.redis_policy import sync_client
 from contracts.registry import AdapterRecord, BaseModelRef
+from contracts.routing import worker_queue
 from worker import metrics, model_card
 from worker.adapter_cache import AdapterCache
 from worker.background import Background
@@ -41,7 +42,7 @@ from worker.held import HeldDeliveries
 from worker.inflight import InFlight
 from worker.job_store import JobStore
 from worker.leases import LeaseKeeper
-from worker.reaper import Reaper
+from worker.reaper import QueueKeeper, Reaper, hand_back
 from worker.registry import preload_sets
 from worker.residency import EngineAdapters
 from worker.runner import JobRunner
@@ -54,6 +55,9 @@ log = logging.getLogger(__name__)
 
 EXIT_ENGINE_FAILED = 75
 """Exit status of a worker whose engine failed (``EX_TEMPFAIL``: restart me)."""
+
+PUBLISH_GATHER_S = 0.2
+"""Adapter changes are published this long after the first of them, together."""
 
 STOP_CONSUMING_S = 5.0
 """How long the consumer thread gets to cancel its queues before jobs are handed back anyway
@@ -96,6 +100,8 @@ class WorkerRuntime:
         self.settings = settings
         self.hostname = socket.gethostname()
         self.worker_id = new_worker_id(self.hostname)
+        self.queue = worker_queue(self.worker_id)
+        """This worker's own queue: jobs the gateways route to it (``contracts.routing``)."""
         self.redis = sync_client(
             settings.redis_url, settings.redis_max_connections, decode_responses=True
         )
@@ -134,6 +140,11 @@ class WorkerRuntime:
         self.reaper = Reaper(
             self.redis, settings.effective_broker_url, self.worker_id, settings.restore_interval_s
         )
+        self.queue_keeper = QueueKeeper(
+            self.redis,
+            min(settings.restore_interval_s, settings.route_max_wait_s / 2),
+            settings.route_max_wait_s,
+        )
         self.leases = LeaseKeeper(
             self.redis,
             self.worker_id,
@@ -167,6 +178,11 @@ class WorkerRuntime:
         self._heartbeat = Background(
             "heartbeat", self._beat, join_timeout_s=settings.heartbeat_s + 5
         )
+        # Routing wants to know soon when this worker's adapters change.
+        self._residency_changed = threading.Event()
+        self.adapters.on_change = self._residency_changed.set
+        self.cache.on_change = self._residency_changed.set
+        self._engine_levels: dict[str, str] = {}
 
     def start(self) -> None:
         """Check the slot budget, start the engine, preload hot and warm adapters."""
@@ -202,6 +218,7 @@ class WorkerRuntime:
         self._heartbeat.start()
         self.cancels.start()
         self.reaper.start()
+        self.queue_keeper.start()
         self.leases.start()
         self.sweeper.start()
 
@@ -262,10 +279,8 @@ class WorkerRuntime:
     def _leave(self) -> None:
         """Stop consuming, let every job hand itself back, then exit non-zero."""
         self._stop_consuming()
-        try:
-            self._announce()  # the fleet sees the failure at once, before the record goes
-        except Exception as exc:
-            log.warning("could not announce the engine failure: %s", exc)
+        # The fleet sees the failure at once, before the record goes; routed jobs go back.
+        self._withdraw_queue()
         bound = time.monotonic() + self.settings.engine_failure_exit_s / 2
         while len(self.inflight) and time.monotonic() < bound:
             time.sleep(0.05)
@@ -302,10 +317,12 @@ class WorkerRuntime:
         return self._consuming_stopped.wait(timeout_s)
 
     def begin_drain(self) -> None:
-        """Shutdown began: running jobs get ``drain_timeout_s``, then are handed back."""
+        """Shutdown began: running jobs get ``drain_timeout_s``, then are handed back; jobs
+        routed to this worker's own queue go back to the shared queues at once."""
         self._draining = True
         if self._drain_timer is not None:
             return
+        threading.Thread(target=self._withdraw_queue, name="drain-queue", daemon=True).start()
         log.info(
             "draining: %d job(s) running, %.0f s to finish",
             len(self.inflight),
@@ -314,6 +331,20 @@ class WorkerRuntime:
         self._drain_timer = threading.Timer(self.settings.drain_timeout_s, self._drain_expired)
         self._drain_timer.daemon = True
         self._drain_timer.start()
+
+    def _withdraw_queue(self) -> None:
+        """Say this worker takes no more routed jobs (its announcement's state), then hand
+        back what its own queue holds. A job a gateway routes here from an older view of the
+        fleet is handed back by the fleet's queue keepers."""
+        try:
+            if self._announced:
+                self._announce()
+            moved = hand_back(self.redis, self.worker_id)
+        except Exception as exc:
+            log.warning("could not hand back this worker's own queue: %s", exc)
+        else:
+            if moved:
+                log.info("%d routed job(s) back to the shared queues", moved)
 
     def _drain_expired(self) -> None:
         stopped = self.inflight.stop_all(StopReason.DRAIN)
@@ -366,13 +397,30 @@ class WorkerRuntime:
             "disk_cache_max_bytes": self.cache.max_bytes,
             "metrics_port": self.metrics_port,
             "queues": self.settings.queues.split(","),
+            "queue": self.queue,
+            "adapters": self._adapter_levels(),
             "concurrency": self.settings.worker_concurrency,
             "seen_at": time.time(),
         }
-        self.redis.set(
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(
             worker_key(self.worker_id), json.dumps(record), ex=self.settings.announcement_ttl_s
         )
-        self.redis.sadd(WORKERS_INDEX, self.worker_id)
+        pipe.sadd(WORKERS_INDEX, self.worker_id)
+        if state == "serving":
+            pipe.zadd(WORKER_QUEUES, {self.worker_id: time.time()})
+        pipe.execute()
+
+    def _adapter_levels(self) -> dict[str, str]:
+        """Digest -> ``pinned``, ``engine`` or ``disk`` of every adapter held here, for routing
+        (the engine's last answer if it is too busy to give one now)."""
+        levels = dict.fromkeys(self.cache.digests(), "disk")
+        if not self.failed:
+            engine = self.adapters.levels(timeout_s=min(0.5, self.settings.residency_publish_s))
+            if engine is not None:
+                self._engine_levels = engine
+        levels.update(self._engine_levels)
+        return levels
 
     def _unfinished_requests(self) -> int | None:
         # Asked on the engine loop; a loop too busy to answer must not delay the heartbeat
@@ -383,7 +431,15 @@ class WorkerRuntime:
             return None
 
     def _beat(self, stopping: threading.Event) -> None:
-        while not stopping.wait(self.settings.heartbeat_s):
+        """Announce every ``residency_publish_s`` (at most the heartbeat period), and soon
+        after the adapters held here changed (changes within ``PUBLISH_GATHER_S`` make one)."""
+        period = min(self.settings.heartbeat_s, self.settings.residency_publish_s)
+        while not stopping.is_set():
+            if self._residency_changed.wait(period) and stopping.wait(PUBLISH_GATHER_S):
+                return
+            self._residency_changed.clear()
+            if stopping.is_set():
+                return
             try:
                 self._announce()
             except Exception as exc:  # a Redis outage must not kill the heartbeat thread
@@ -400,6 +456,7 @@ class WorkerRuntime:
         self.leases.close()
         self.cancels.close()
         self.reaper.close()
+        self.queue_keeper.close()
         self.deltas.close()
         self.held.close()
         self.scripts.close()

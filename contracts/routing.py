@@ -1,0 +1,200 @@
+"""Where a job goes: the routing policy, in one place (pure; the gateway applies it at admission).
+
+Workers publish what they hold, per adapter digest and level, and their load (their
+announcement, ``worker.runtime``: at least every second, and soon after a change). Each
+gateway keeps the fleet's announcements in memory (``gateway.routing``, refreshed every
+``LORAFLEET_ROUTE_REFRESH_S``), so routing costs an admission no Redis round trip: the
+admission script pushes the job's message onto the queue chosen here instead of the tier's.
+
+For a job of adapter ``D`` (base model ``B``, tier ``T``), the *pool* is the serving workers of
+``B`` that take ``T``; a worker is *overloaded* when its outstanding jobs (running, waiting in
+its own queue, and routed to it by this gateway since the last refresh) reach
+``LORAFLEET_ROUTE_OVERLOAD_RATIO`` x its concurrency. Then:
+
+1. **resident**: a worker of the pool that holds ``D`` (pinned > registered in the engine >
+   on disk), not overloaded, least loaded among those of the best level: its own queue.
+2. **placed**: if fewer than ``LORAFLEET_ROUTE_MAX_COPIES`` workers hold ``D`` (none, for a
+   first miss), the worker of the pool, not overloaded, that ranks first for ``D`` by
+   rendezvous hashing (highest ``hash(D, worker)``): every gateway picks the same one, so
+   concurrent first misses for an adapter make one copy, not one per worker, and a worker
+   joining or leaving moves only the adapters it ranks first for.
+3. **shared**: otherwise (every holder overloaded and the copies at the cap, nobody to place
+   on, no fresh view of the fleet, or a pool of one worker that the shared queue reaches
+   alone): the tier's queue, which every worker of the tier takes from.
+
+A copy is a worker holding ``D`` at any level, disk included: a copy on disk costs no S3 GET to
+load. The cap bounds copies made by routing; a job from the shared queue may still make one
+more (load shedding beats waiting). Routing never decides what runs: the worker checks the
+adapter's identity as always, and a routed job that waits too long, or whose worker stops,
+goes back to the shared queue (``HANDBACK``).
+
+Designed after llm-d's inference scheduler (a scorer per signal, prefix-cache affinity
+weighed against queue depth and KV-cache use, filters before scorers) and Ray Serve's model
+multiplexing (requests go to a replica that already has the model loaded, else to the
+least loaded one, which loads it); the copy cap and the rendezvous placement are what a LoRA
+fleet adds: an adapter's S3 GETs and engine loads are bounded per adapter, not per worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+
+from contracts.queues import QUEUE_PREFIX
+
+
+class Level(IntEnum):
+    """How close an adapter is to running on a worker; higher is closer."""
+
+    DISK = 1
+    ENGINE = 2
+    PINNED = 3
+
+
+LEVEL_NAMES = {Level.DISK: "disk", Level.ENGINE: "engine", Level.PINNED: "pinned"}
+LEVELS_BY_NAME = {name: level for level, name in LEVEL_NAMES.items()}
+
+
+class Decision(StrEnum):
+    RESIDENT = "resident"
+    PLACED = "placed"
+    SHARED = "shared"
+
+
+WORKER_QUEUE_PREFIX = f"{QUEUE_PREFIX}worker."
+
+
+def worker_queue(worker_id: str) -> str:
+    """The queue (a Redis list of that name) of one worker's routed jobs."""
+    return f"{WORKER_QUEUE_PREFIX}{worker_id}"
+
+
+@dataclass(frozen=True)
+class Policy:
+    max_copies: int
+    overload_ratio: float
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One serving worker as the gateway last saw it."""
+
+    worker_id: str
+    queue: str
+    base_model: str
+    """Digest of the base model it serves."""
+    queues: frozenset[str]
+    """Tier queues it takes from."""
+    concurrency: int
+    outstanding: int
+    """Jobs running on it plus jobs waiting in its own queue."""
+    adapters: Mapping[str, Level] = field(default_factory=dict)
+    """Adapter digest -> the best level it holds it at."""
+
+
+@dataclass(frozen=True)
+class Route:
+    decision: Decision
+    worker: WorkerState | None = None
+
+    @property
+    def worker_id(self) -> str | None:
+        return None if self.worker is None else self.worker.worker_id
+
+
+SHARED = Route(Decision.SHARED)
+
+
+def rendezvous_score(digest: str, worker_id: str) -> int:
+    """Highest random weight of ``worker_id`` for ``digest`` (same on every gateway)."""
+    seed = f"{digest}|{worker_id}".encode()
+    return int.from_bytes(hashlib.blake2b(seed, digest_size=8).digest(), "big")
+
+
+def overloaded(worker: WorkerState, extra: int, policy: Policy) -> bool:
+    bound = max(1, math.ceil(worker.concurrency * policy.overload_ratio))
+    return worker.outstanding + extra >= bound
+
+
+def choose(
+    workers: Sequence[WorkerState],
+    base_model: str,
+    tier_queue: str,
+    digest: str,
+    policy: Policy,
+    routed_since: Mapping[str, int] | None = None,
+) -> Route:
+    """Where a job of ``digest`` (base model ``base_model``, tier queue ``tier_queue``) goes.
+    ``routed_since``: jobs this gateway routed to each worker since ``workers`` was read."""
+    extra = routed_since or {}
+    takers = [w for w in workers if tier_queue in w.queues]
+    pool = [w for w in takers if w.base_model == base_model]
+    if not pool or (len(pool) == 1 and len(takers) == 1):
+        return SHARED  # nobody to route to, or the shared queue reaches the pool's only worker
+
+    def free(worker: WorkerState) -> bool:
+        return not overloaded(worker, extra.get(worker.worker_id, 0), policy)
+
+    holders = [w for w in pool if digest in w.adapters]
+    ready = [w for w in holders if free(w)]
+    if ready:
+        best = min(
+            ready,
+            key=lambda w: (
+                -w.adapters[digest],
+                (w.outstanding + extra.get(w.worker_id, 0)) / max(1, w.concurrency),
+                -rendezvous_score(digest, w.worker_id),
+            ),
+        )
+        return Route(Decision.RESIDENT, best)
+    if len(holders) < policy.max_copies:
+        others = [w for w in pool if digest not in w.adapters and free(w)]
+        if others:
+            chosen = max(others, key=lambda w: rendezvous_score(digest, w.worker_id))
+            return Route(Decision.PLACED, chosen)
+    return SHARED
+
+
+def copies(workers: Sequence[WorkerState]) -> dict[str, int]:
+    """Adapter digest -> how many workers hold it (any level)."""
+    counts: dict[str, int] = {}
+    for worker in workers:
+        for digest in worker.adapters:
+            counts[digest] = counts.get(digest, 0) + 1
+    return counts
+
+
+HANDBACK = """
+-- KEYS[1]: a worker's own queue. ARGV[1]: how many of its oldest messages to move (0: all);
+-- ARGV[2]: the queue for a message whose own cannot be read.
+-- Each message goes back to the queue its envelope names (the tier's shared queue, where
+-- kombu restores it too), at the end consumers take from, oldest taken first. One script:
+-- a message is in one list or the other, never both, never neither.
+local limit = tonumber(ARGV[1])
+local moved = {}
+while limit == 0 or #moved < limit do
+  local message = redis.call('RPOP', KEYS[1])
+  if not message then break end
+  local target = ARGV[2]
+  local ok, envelope = pcall(cjson.decode, message)
+  if ok and type(envelope) == 'table' and type(envelope.properties) == 'table'
+     and type(envelope.properties.delivery_info) == 'table' then
+    local key = envelope.properties.delivery_info.routing_key
+    if type(key) == 'string' and string.sub(key, 1, #ARGV[3]) == ARGV[3]
+       and string.sub(key, 1, #ARGV[4]) ~= ARGV[4] then
+      target = key
+    end
+  end
+  moved[#moved + 1] = {target, message}
+end
+for i = #moved, 1, -1 do redis.call('RPUSH', moved[i][1], moved[i][2]) end
+return #moved
+"""
+"""Move a worker's routed jobs back to their shared queues (``handback_args``)."""
+
+
+def handback_args(limit: int, fallback_queue: str) -> list[str | int]:
+    return [limit, fallback_queue, QUEUE_PREFIX, WORKER_QUEUE_PREFIX]

@@ -1,0 +1,117 @@
+"""The gateway's view of the fleet, and the routing decision made from it at admission.
+
+Every ``LORAFLEET_ROUTE_REFRESH_S`` one task reads every live worker's announcement and the
+length of its own queue (two pipelined round trips, whatever the traffic); admissions route
+on that view in memory (``contracts.routing.choose``), so routing adds no Redis round trip
+to an admission. Between two reads the gateway counts what it routed to each worker, so a
+burst does not pile onto the worker that looked idlest at the last read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from contracts import routing
+from contracts.jobs import JobMessage, Routed
+from contracts.keys import WORKERS_INDEX, worker_key
+from contracts.queues import Tier, queue_for
+from gateway.background import LoopTask
+from gateway.config import GatewaySettings
+from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+
+def worker_state(record: dict[str, Any], waiting: int) -> routing.WorkerState | None:
+    """A serving worker's announcement as routing sees it; ``None`` for a worker routing must
+    not send to (draining, failed, or one that predates own queues)."""
+    queue = record.get("queue")
+    worker_id = str(record.get("worker_id"))
+    if record.get("state") != "serving" or queue != routing.worker_queue(worker_id):
+        return None
+    held = record.get("adapters") or {}
+    adapters = {
+        digest: routing.LEVELS_BY_NAME[level]
+        for digest, level in held.items()
+        if level in routing.LEVELS_BY_NAME
+    }
+    return routing.WorkerState(
+        worker_id=worker_id,
+        queue=queue,
+        base_model=str((record.get("base_model") or {}).get("digest", "")),
+        queues=frozenset(record.get("queues") or ()),
+        concurrency=int(record.get("concurrency") or 1),
+        outstanding=int(record.get("jobs_running") or 0) + waiting,
+        adapters=adapters,
+    )
+
+
+class FleetRouter(LoopTask):
+    def __init__(self, redis: Redis, settings: GatewaySettings, metrics: GatewayMetrics) -> None:
+        super().__init__("fleet-router")
+        self._redis = redis
+        self._settings = settings
+        self._metrics = metrics
+        self._policy = routing.Policy(settings.route_max_copies, settings.route_overload_ratio)
+        self._workers: list[routing.WorkerState] = []
+        self._read_at = -float("inf")  # monotonic
+        self._routed: Counter[str] = Counter()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except (RedisError, OSError, TimeoutError, ValueError) as exc:
+                log.warning("could not read the fleet for routing: %s", exc)
+            await asyncio.sleep(self._settings.route_refresh_s)
+
+    async def refresh(self) -> None:
+        """Read every announced worker and its queue's length (two round trips)."""
+        ids = sorted(str(member) for member in await self._redis.smembers(WORKERS_INDEX))
+        workers: list[routing.WorkerState] = []
+        if ids:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.mget([worker_key(worker_id) for worker_id in ids])
+                for worker_id in ids:
+                    pipe.llen(routing.worker_queue(worker_id))
+                replies = await pipe.execute()
+            for raw, waiting in zip(replies[0], replies[1:], strict=True):
+                if raw is None:
+                    continue  # its announcement expired: gone
+                state = worker_state(json.loads(raw), int(waiting))
+                if state is not None:
+                    workers.append(state)
+        self._workers, self._read_at, self._routed = workers, time.monotonic(), Counter()
+        self._metrics.fleet_copies(routing.copies(workers))
+
+    def route(self, base_model: str, tier: Tier, digest: str) -> Routed | None:
+        """The routing of a job about to be admitted; ``None``: its tier's shared queue
+        (``destination`` names the queue either way)."""
+        decision = routing.SHARED
+        fresh = time.monotonic() - self._read_at <= self._settings.route_view_max_age_s
+        if self._settings.routing and fresh:
+            decision = routing.choose(
+                self._workers, base_model, queue_for(tier), digest, self._policy, self._routed
+            )
+        self._metrics.routing.labels(tier.value, decision.decision.value).inc()
+        if decision.worker is None:
+            return None
+        self._routed[decision.worker.worker_id] += 1
+        return Routed.model_validate(
+            {"decision": decision.decision.value, "worker": decision.worker.worker_id}
+        )
+
+
+def destination(message: JobMessage) -> str:
+    """The queue a job's message is pushed onto: its worker's own, or its tier's."""
+    if message.routed is not None:
+        return routing.worker_queue(message.routed.worker)
+    return queue_for(message.tier)

@@ -1,0 +1,222 @@
+"""The routing policy (pure), and the hand-back script run by a real Redis."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+from redis import Redis
+
+from contracts import routing
+from contracts.jobs import JobMessage, Routed, Sampling
+from contracts.keys import WORKER_QUEUES, worker_key
+from contracts.queues import Tier, queue_for
+from contracts.registry import BaseModelRef
+from contracts.routing import Decision, Level, Policy, WorkerState, choose
+from contracts.task_messages import accepted_at
+from gateway.queue import job_message
+from gateway.routing import destination, worker_state
+from worker.reaper import QueueKeeper, hand_back
+
+BASE = "sha256:" + "b" * 64
+OTHER_BASE = "sha256:" + "c" * 64
+HOT = queue_for(Tier.HOT)
+POLICY = Policy(max_copies=2, overload_ratio=1.0)
+
+
+def _worker(
+    name: str,
+    adapters: dict[str, Level] | None = None,
+    outstanding: int = 0,
+    base: str = BASE,
+    concurrency: int = 8,
+) -> WorkerState:
+    return WorkerState(
+        worker_id=name,
+        queue=routing.worker_queue(name),
+        base_model=base,
+        queues=frozenset(queue_for(tier) for tier in Tier),
+        concurrency=concurrency,
+        outstanding=outstanding,
+        adapters=adapters or {},
+    )
+
+
+def _digest(i: int) -> str:
+    return f"sha256:{i:064x}"
+
+
+def test_a_job_goes_to_the_least_loaded_worker_holding_its_adapter_at_the_best_level() -> None:
+    d = _digest(1)
+    fleet = [
+        _worker("w1", {d: Level.DISK}, outstanding=0),
+        _worker("w2", {d: Level.ENGINE}, outstanding=5),
+        _worker("w3", {d: Level.ENGINE}, outstanding=2),
+        _worker("w4", {}, outstanding=0),
+    ]
+    route = choose(fleet, BASE, HOT, d, POLICY)
+    assert (route.decision, route.worker_id) == (Decision.RESIDENT, "w3")
+    pinned = [*fleet, _worker("w5", {d: Level.PINNED}, outstanding=7)]
+    assert choose(pinned, BASE, HOT, d, POLICY).worker_id == "w5"
+
+
+def test_first_misses_for_one_adapter_land_on_one_worker_and_spread_across_adapters() -> None:
+    fleet = [_worker(f"w{i}") for i in range(8)]
+    chosen: Counter[str] = Counter()
+    for i in range(400):
+        routes = {choose(fleet, BASE, HOT, _digest(i), POLICY).worker_id for _ in range(3)}
+        assert len(routes) == 1  # the same answer every time (and on every gateway)
+        chosen[routes.pop() or ""] += 1
+    assert set(chosen) == {f"w{i}" for i in range(8)}
+    assert max(chosen.values()) < 3 * 400 / 8, chosen  # no worker takes most of them
+    # A worker joining moves only the adapters it now ranks first for.
+    grown = [*fleet, _worker("w8")]
+    moved = [
+        i
+        for i in range(400)
+        if choose(grown, BASE, HOT, _digest(i), POLICY).worker_id
+        != choose(fleet, BASE, HOT, _digest(i), POLICY).worker_id
+    ]
+    assert all(choose(grown, BASE, HOT, _digest(i), POLICY).worker_id == "w8" for i in moved)
+    assert 0 < len(moved) < 400 / 4
+
+
+def test_a_new_copy_is_placed_only_when_every_holder_is_overloaded_and_never_past_the_cap() -> (
+    None
+):
+    d = _digest(2)
+    busy = [_worker("w1", {d: Level.ENGINE}, outstanding=8), _worker("w2"), _worker("w3")]
+    placed = choose(busy, BASE, HOT, d, POLICY)
+    assert placed.decision == Decision.PLACED and placed.worker_id in {"w2", "w3"}
+    assert placed.worker_id == max(
+        ("w2", "w3"), key=lambda name: routing.rendezvous_score(d, name)
+    )
+    at_cap = [
+        _worker("w1", {d: Level.ENGINE}, outstanding=8),
+        _worker("w2", {d: Level.DISK}, outstanding=9),
+        _worker("w3"),
+    ]
+    assert choose(at_cap, BASE, HOT, d, POLICY) == routing.SHARED
+    # What this gateway routed since its last read counts toward a worker's load.
+    fresh = [_worker("w1", {d: Level.ENGINE}, outstanding=0), _worker("w2"), _worker("w3")]
+    assert choose(fresh, BASE, HOT, d, POLICY, {"w1": 7}).worker_id == "w1"
+    assert choose(fresh, BASE, HOT, d, POLICY, {"w1": 8}).decision == Decision.PLACED
+
+
+def test_only_workers_of_the_base_model_and_tier_are_routed_to() -> None:
+    d = _digest(3)
+    cold_only = WorkerState(
+        worker_id="cold",
+        queue=routing.worker_queue("cold"),
+        base_model=BASE,
+        queues=frozenset({queue_for(Tier.COLD)}),
+        concurrency=8,
+        outstanding=0,
+        adapters={d: Level.PINNED},
+    )
+    other = _worker("other", {d: Level.PINNED}, base=OTHER_BASE)
+    ours = [_worker("a"), _worker("b")]
+    route = choose([cold_only, other, *ours], BASE, HOT, d, POLICY)
+    assert route.decision == Decision.PLACED and route.worker_id in {"a", "b"}
+    # No worker of the pool: the shared queue.
+    assert choose([cold_only, other], BASE, HOT, d, POLICY) == routing.SHARED
+    # A pool of one worker that the shared queue reaches alone: nothing to route.
+    assert choose([ours[0]], BASE, HOT, d, POLICY) == routing.SHARED
+    # ... but beside a worker of another base model, the own queue keeps it off that one.
+    assert choose([ours[0], other], BASE, HOT, d, POLICY).worker_id == "a"
+
+
+def test_an_announcement_routing_must_not_use_is_skipped() -> None:
+    record = {
+        "worker_id": "h:1:x",
+        "state": "serving",
+        "queue": routing.worker_queue("h:1:x"),
+        "base_model": {"id": "m", "digest": BASE},
+        "queues": [HOT],
+        "concurrency": 4,
+        "jobs_running": 3,
+        "adapters": {_digest(1): "engine", _digest(2): "disk", _digest(3): "unheard-of"},
+    }
+    state = worker_state(record, waiting=2)
+    assert state is not None
+    assert state.outstanding == 5
+    assert state.adapters == {_digest(1): Level.ENGINE, _digest(2): Level.DISK}
+    assert worker_state({**record, "state": "draining"}, 0) is None
+    assert worker_state({k: v for k, v in record.items() if k != "queue"}, 0) is None  # old
+
+
+def _message(job_id: str, tier: Tier, accepted: float, worker: str | None) -> JobMessage:
+    return JobMessage(
+        job_id=job_id,
+        tenant="t",
+        adapter="a",
+        revision=_digest(9),
+        base_model=BaseModelRef(id="m", digest=BASE),
+        tier=tier,
+        prompt="hi",
+        sampling=Sampling(),
+        accepted_at=accepted,
+        deadline_at=accepted + 60,
+        routed=None if worker is None else Routed(decision="resident", worker=worker),
+    )
+
+
+def _push(redis: Redis, message: JobMessage) -> None:
+    redis.lpush(destination(message), job_message(message))
+
+
+def _ids(redis: Redis, queue: str) -> list[str]:
+    """Job ids of ``queue`` in the order consumers take them (right end first)."""
+    raws: list[str] = redis.lrange(queue, 0, -1)  # type: ignore[assignment]
+    return [json.loads(raw)["headers"]["id"] if raw.startswith("{") else raw for raw in raws][::-1]
+
+
+def test_hand_back_moves_every_job_to_its_own_tier_queue_oldest_first(redis: Redis) -> None:
+    worker = f"h:2:{time.time_ns()}"
+    mine = routing.worker_queue(worker)
+    hot, cold = queue_for(Tier.HOT), queue_for(Tier.COLD)
+    redis.delete(hot, cold)
+    now = time.time()
+    for i, tier in enumerate([Tier.HOT, Tier.COLD, Tier.HOT, Tier.HOT]):
+        _push(redis, _message(f"r{i}", tier, now + i, worker))
+    redis.lpush(hot, job_message(_message("queued-before", Tier.HOT, now - 1, None)))
+    redis.lpush(mine, "not a job message")  # moved to the fallback, never lost
+    try:
+        assert hand_back(redis, worker, limit=2) == 2
+        # Taken before what waited in the shared queue: they were admitted to be run first.
+        assert _ids(redis, hot) == ["r0", "queued-before"] and _ids(redis, cold) == ["r1"]
+        assert hand_back(redis, worker) == 3
+        assert redis.llen(mine) == 0
+        assert _ids(redis, hot) == ["r2", "r3", "not a job message", "r0", "queued-before"]
+    finally:
+        redis.delete(hot, cold, mine)
+
+
+def test_the_queue_keeper_hands_back_a_gone_workers_queue_and_a_live_ones_stale_jobs(
+    redis: Redis,
+) -> None:
+    hot = queue_for(Tier.HOT)
+    gone, live = f"h:3:{time.time_ns()}", f"h:4:{time.time_ns()}"
+    now = time.time()
+    redis.delete(hot)
+    redis.zadd(WORKER_QUEUES, {gone: now, live: now})
+    redis.set(worker_key(live), json.dumps({"worker_id": live, "state": "serving"}), ex=60)
+    _push(redis, _message("of-gone", Tier.HOT, now, gone))
+    _push(redis, _message("stale", Tier.HOT, now - 30, live))
+    _push(redis, _message("fresh", Tier.HOT, now, live))
+    try:
+        keeper = QueueKeeper(redis, interval_s=1, max_wait_s=10)
+        assert keeper.sweep() == 2
+        assert sorted(_ids(redis, hot)) == ["of-gone", "stale"]
+        assert _ids(redis, routing.worker_queue(live)) == ["fresh"]
+        assert keeper.sweep() == 0
+        # A gone worker's empty queue stops being watched once it is long gone.
+        redis.zadd(WORKER_QUEUES, {gone: now - 1000})
+        keeper.sweep()
+        assert redis.zscore(WORKER_QUEUES, gone) is None
+        assert redis.zscore(WORKER_QUEUES, live) is not None
+        assert all(accepted_at(raw) for raw in redis.lrange(hot, 0, -1))  # type: ignore[union-attr]
+    finally:
+        redis.zrem(WORKER_QUEUES, gone, live)
+        redis.delete(hot, worker_key(live), routing.worker_queue(live), routing.worker_queue(gone))
