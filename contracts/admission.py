@@ -29,6 +29,7 @@ from contracts.keys import (
     batch_key,
     job_key,
     rate_key,
+    routed_key,
     tenant_ledger_key,
     tier_ledger_key,
 )
@@ -81,6 +82,12 @@ redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 redis.call('ZADD', KEYS[5], ARGV[10], ARGV[1])
 redis.call('HSET', KEYS[4], 'status', ARGV[7], 'record', ARGV[8], 'attempts', 0)
+if ARGV[12] ~= '' then
+  -- Routed to a worker's own queue: its message is kept until a worker receives it.
+  redis.call('HSET', KEYS[4], 'message', ARGV[12])
+  redis.call('ZREMRANGEBYSCORE', KEYS[7], '-inf', now)
+  redis.call('ZADD', KEYS[7], ARGV[10], ARGV[1])
+end
 redis.call('EXPIRE', KEYS[4], ARGV[9])
 if ARGV[11] ~= '' then redis.call('LPUSH', KEYS[6], ARGV[11]) end
 return {'admitted', '0'}
@@ -149,15 +156,18 @@ def admit_call(
     ttl_s: int,
     message: str | None = None,
     queue: str | None = None,
+    routed: tuple[str, str] | None = None,
 ) -> tuple[list[str], list[str | int | float]]:
     """``(keys, args)`` of ``ADMIT`` for a new ``job`` (its record is written if admitted);
     ``expires_at`` is its deadline + ``LEDGER_GRACE_S``. ``message``, if given, is pushed
-    in the same step onto ``queue`` (default: the job's tier queue)."""
+    in the same step onto ``queue`` (default: the job's tier queue). ``routed``: ``(worker
+    id, message)`` of a job routed to that worker's own queue (``routed_key``)."""
     if message is None:
         queue = NO_KEY
     elif queue is None:
         queue = queue_for(job.tier)
-    keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id), DEADLINES, queue]
+    index = routed_key(routed[0]) if routed else NO_KEY
+    keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id), DEADLINES, queue, index]
     args: list[str | int | float] = [
         job.id,
         repr(expires_at),
@@ -170,6 +180,7 @@ def admit_call(
         ttl_s,
         repr(expires_at - LEDGER_GRACE_S),  # the deadline, for the sweeper's index
         message or "",
+        routed[1] if routed else "",
     ]
     return keys, args
 
@@ -198,15 +209,17 @@ ADMIT_BATCH = (
     + """
 -- KEYS: 1 tenant ledger, 2 rate bucket, 3 batch hash, 4 batch lines, 5..7 tier ledgers
 -- (hot, warm, cold), 8 deadline index, 9..11 tier queues (or a placeholder; not used here),
--- 12.. one job key per job, then (when messages are pushed here) the queue of each job's
--- message: its tier's, or the own queue of the worker it was routed to.
+-- 12.. one job key per job, then the queue of each job's message (its tier's, or the own
+-- queue of the worker it was routed to), then each job's routed index (``routed_key``).
 -- ARGV: 1 tenant max, 2 rate, 3 burst, 4..6 tier maxima, 7 expiry, 8 ttl, 9 batch record,
 -- 10 batch webhook url, 11 tenant, 12 total, 13 deadline (expiry - grace), then per job: id,
--- tier index (0..2), record, line, queue message ('' if published elsewhere).
+-- tier index (0..2), record, line, queue message ('' if published elsewhere), message kept
+-- for a routed job ('' if not routed).
 -- Run again (a client retrying after its reply was lost): admitted already, and only once;
 -- or withdrawn meanwhile (this copy waited in Redis's input after its caller gave up).
 if redis.call('HEXISTS', KEYS[3], WITHDRAWN) == 1 then return {'withdrawn', '0'} end
 if redis.call('EXISTS', KEYS[3]) == 1 then return {'admitted', '0'} end
+local STRIDE = 6
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local tiers = {KEYS[5], KEYS[6], KEYS[7]}
@@ -214,7 +227,7 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local wanted = {0, 0, 0}
 local total = tonumber(ARGV[12])
 for i = 0, total - 1 do
-  local tier = tonumber(ARGV[14 + i * 5 + 1]) + 1
+  local tier = tonumber(ARGV[14 + i * STRIDE + 1]) + 1
   wanted[tier] = wanted[tier] + 1
 end
 for tier = 1, 3 do
@@ -229,12 +242,18 @@ if redis.call('ZCARD', KEYS[1]) + total > tonumber(ARGV[1]) then return {'tenant
 local wait = take_token(KEYS[2], tonumber(ARGV[2]), tonumber(ARGV[3]), now)
 if wait then return {'rate', tostring(wait)} end
 for i = 0, total - 1 do
-  local base = 14 + i * 5
+  local base = 14 + i * STRIDE
   local id, tier = ARGV[base], tonumber(ARGV[base + 1]) + 1
   redis.call('ZADD', tiers[tier], ARGV[7], id)
   redis.call('ZADD', KEYS[1], ARGV[7], id)
   redis.call('ZADD', KEYS[8], ARGV[13], id)
   redis.call('HSET', KEYS[12 + i], 'status', 'queued', 'record', ARGV[base + 2], 'attempts', 0)
+  if ARGV[base + 5] ~= '' then
+    redis.call('HSET', KEYS[12 + i], 'message', ARGV[base + 5])
+    local index = KEYS[12 + 2 * total + i]
+    redis.call('ZREMRANGEBYSCORE', index, '-inf', now)
+    redis.call('ZADD', index, ARGV[13], id)
+  end
   redis.call('EXPIRE', KEYS[12 + i], ARGV[8])
   redis.call('RPUSH', KEYS[4], ARGV[base + 3])
   if ARGV[base + 4] ~= '' then redis.call('LPUSH', KEYS[12 + total + i], ARGV[base + 4]) end
@@ -315,10 +334,12 @@ def admit_batch_call(
     ttl_s: int,
     messages: list[str] | None = None,
     queues: list[str] | None = None,
+    routed: list[tuple[str, str] | None] | None = None,
 ) -> tuple[list[str], list[str | int | float]]:
     """``(keys, args)`` of ``ADMIT_BATCH``; ``messages`` (one per job, in order), if given,
     are pushed in the same step onto ``queues`` (one per job; default: each job's tier
-    queue)."""
+    queue). ``routed``: per job, ``(worker id, message)`` if routed to that worker's own
+    queue (``admit_call``)."""
     args: list[str | int | float] = [
         limits.tenant_max,
         repr(limits.rate_per_s),
@@ -333,17 +354,19 @@ def admit_batch_call(
         repr(expires_at - LEDGER_GRACE_S),
     ]
     pushed: list[str] = [""] * len(jobs) if messages is None else messages
-    for job, line, message in zip(jobs, lines, pushed, strict=True):
+    kept = routed if routed is not None else [None] * len(jobs)
+    for job, line, message, route in zip(jobs, lines, pushed, kept, strict=True):
         args += [
             job.id,
             TIER_ORDER.index(job.tier),
             job.model_dump_json(),
             line.model_dump_json(),
             message,
+            route[1] if route else "",
         ]
     keys = _batch_keys(batch.id, batch.tenant, jobs, messages is not None)
-    if messages is not None:
-        keys += queues if queues is not None else [queue_for(job.tier) for job in jobs]
+    keys += queues if queues is not None else [queue_for(job.tier) for job in jobs]
+    keys += [routed_key(route[0]) if route else NO_KEY for route in kept]
     return keys, args
 
 

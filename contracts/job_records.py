@@ -48,6 +48,7 @@ from contracts.keys import (
     held_key,
     job_key,
     lease_key,
+    routed_key,
     stream_key,
     tenant_ledger_key,
     tier_ledger_key,
@@ -92,7 +93,8 @@ if ARGV[4] ~= '' and (redis.call('HGET', KEYS[1], 'attempts') or '0') ~= ARGV[4]
   return -2
 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'record', ARGV[2])
-redis.call('HDEL', KEYS[1], 'started_at', 'worker')  -- the record says it all now
+-- The record says it all now (and a kept message is no longer needed: ``routed_key``).
+redis.call('HDEL', KEYS[1], 'started_at', 'worker', 'message')
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'attempts', ARGV[5]) end
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 if ARGV[1] ~= '{JobStatus.RUNNING.value}' then redis.call('DEL', KEYS[10]) end
@@ -129,11 +131,14 @@ return 1
 
 CLAIM = f"""
 local function terminal(s) return {_TERMINAL_LUA} end
--- KEYS: 1 job, 2 lease, 3 the worker's held deliveries. ARGV: 1 worker id, 2 lease ttl (ms),
--- 3 record ttl (s), 4 max attempts, 5 started at (ISO 8601), 6 '1' to leave a running job
--- without a lease alone (rejoining), 7 the delivery's tag ('': none), 8 the job id.
+-- KEYS: 1 job, 2 lease, 3 the worker's held deliveries, 4 the routed index of the worker
+-- the job was routed to. ARGV: 1 worker id, 2 lease ttl (ms), 3 record ttl (s), 4 max
+-- attempts, 5 started at (ISO 8601), 6 '1' to leave a running job without a lease alone
+-- (rejoining), 7 the delivery's tag ('': none), 8 the job id.
 -- Returns {{outcome}} and, unless missing, the job's RECORD_FIELDS as they are now.
 if ARGV[7] ~= '' then redis.call('HSET', KEYS[3], ARGV[7], ARGV[8]) end
+-- A worker has the message: it is held or in the broker's unacknowledged set from here on.
+redis.call('ZREM', KEYS[4], ARGV[8])
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or status == '{WITHDRAWN}' then return {{'missing'}} end
 local fields = redis.call('HMGET', KEYS[1], 'record', 'attempts', 'started_at', 'worker')
@@ -159,6 +164,7 @@ end
 attempts = attempts + 1
 redis.call('HSET', KEYS[1], 'status', '{JobStatus.RUNNING.value}', 'attempts', attempts,
            'started_at', ARGV[5], 'worker', ARGV[1])
+redis.call('HDEL', KEYS[1], 'message')
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 -- The lease value is ``lease_value(worker id, attempt)``.
 redis.call('SET', KEYS[2], ARGV[1] .. '|' .. attempts, 'PX', ARGV[2])
@@ -327,12 +333,19 @@ def claim_call(
     lease_ttl_s: float,
     ttl_s: int,
     delivery: str = "",
+    routed_to: str | None = None,
 ) -> tuple[list[str], list[str | int]]:
     """``(keys, args)`` of ``CLAIM``: ``worker_id`` starts an attempt of ``job_id`` at
     ``started_at``, unless ``max_attempts`` were started (or engines died under it as often);
     ``rejoining`` leaves a running job without a lease to the attempt that may take it back.
-    ``delivery`` is the broker's tag of the message being run (recorded as held)."""
-    keys = [job_key(job_id), lease_key(job_id), held_key(worker_id) if delivery else NO_KEY]
+    ``delivery`` is the broker's tag of the message being run (recorded as held);
+    ``routed_to``, the worker the job was routed to (``routed_key``)."""
+    keys = [
+        job_key(job_id),
+        lease_key(job_id),
+        held_key(worker_id) if delivery else NO_KEY,
+        routed_key(routed_to) if routed_to else NO_KEY,
+    ]
     args: list[str | int] = [
         worker_id,
         _ms(lease_ttl_s),

@@ -71,6 +71,15 @@ def held_key(worker_id: str) -> str:
     return f"{PREFIX}:held:{worker_id}"
 
 
+def routed_key(worker_id: str) -> str:
+    """Sorted set ``job id -> deadline`` of the jobs routed to a worker's own queue that no
+    worker has received yet; their messages are kept in their job hashes (``message``) until
+    then. A worker that dies while blocked on its queue can take one message with it (the
+    reply to its pending ``BRPOP`` lands in a dead socket): when it is gone, the queue
+    keepers push the message of each such job still ``queued`` again (``worker.reaper``)."""
+    return f"{PREFIX}:routed:{worker_id}"
+
+
 WORKERS_INDEX = f"{PREFIX}:workers"
 """Set of the ids (``host:pid:boot``) of workers that have announced themselves."""
 

@@ -168,8 +168,8 @@ def copies(workers: Sequence[WorkerState]) -> dict[str, int]:
 
 
 HANDBACK = """
--- KEYS[1]: a worker's own queue. ARGV[1]: how many of its oldest messages to move (0: all);
--- ARGV[2]: the queue for a message whose own cannot be read.
+-- KEYS[1]: a worker's own queue, KEYS[2]: its routed index. ARGV[1]: how many of its oldest
+-- messages to move (0: all); ARGV[2]: the queue for a message whose own cannot be read.
 -- Each message goes back to the queue its envelope names (the tier's shared queue, where
 -- kombu restores it too), at the end consumers take from, oldest taken first. One script:
 -- a message is in one list or the other, never both, never neither.
@@ -187,6 +187,10 @@ while limit == 0 or #moved < limit do
        and string.sub(key, 1, #ARGV[4]) ~= ARGV[4] then
       target = key
     end
+    -- No longer this worker's to lose: it is back in a shared queue.
+    if type(envelope.headers) == 'table' and type(envelope.headers.id) == 'string' then
+      redis.call('ZREM', KEYS[2], envelope.headers.id)
+    end
   end
   moved[#moved + 1] = {target, message}
 end
@@ -194,6 +198,36 @@ for i = #moved, 1, -1 do redis.call('RPUSH', moved[i][1], moved[i][2]) end
 return #moved
 """
 """Move a worker's routed jobs back to their shared queues (``handback_args``)."""
+
+RECOVER = """
+-- KEYS[1]: the routed index of a worker that is gone. ARGV[1]: the job key prefix,
+-- ARGV[2]: the queue for a message whose own cannot be read, ARGV[3]: the queue prefix.
+-- Every job routed to it that no worker received and that is still queued: its kept message
+-- goes onto its shared queue again (the dead worker's pending BRPOP may have taken it; if it
+-- did not, a second delivery of a job is harmless: the claim lets one run). Then the index
+-- goes.
+local pushed = 0
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local job = ARGV[1] .. id
+  local fields = redis.call('HMGET', job, 'status', 'message')
+  if fields[1] == 'queued' and fields[2] then
+    local target = ARGV[2]
+    local ok, envelope = pcall(cjson.decode, fields[2])
+    if ok and type(envelope) == 'table' and type(envelope.properties) == 'table'
+       and type(envelope.properties.delivery_info) == 'table' then
+      local key = envelope.properties.delivery_info.routing_key
+      if type(key) == 'string' and string.sub(key, 1, #ARGV[3]) == ARGV[3] then target = key end
+    end
+    redis.call('RPUSH', target, fields[2])
+    redis.call('HDEL', job, 'message')
+    pushed = pushed + 1
+  end
+end
+redis.call('DEL', KEYS[1])
+return pushed
+"""
+"""Push again the messages of a gone worker's routed jobs that it may have taken with it
+(``contracts.keys.routed_key``)."""
 
 
 def handback_args(limit: int, fallback_queue: str) -> list[str | int]:

@@ -390,6 +390,10 @@ class Batches:
                 self._settings.job_ttl_s,
                 messages=encoded if queues.inline else None,
                 queues=[destination(message) for message in messages],
+                routed=[
+                    (message.routed.worker, body) if message.routed else None
+                    for message, body in zip(messages, encoded, strict=True)
+                ],
             )
             reply = await self._admit_script(keys=keys, args=args)
             verdict, tier = admission.batch_verdict(reply)

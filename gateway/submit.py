@@ -406,6 +406,7 @@ class Submitter:
                 self._settings.job_ttl_s,
                 message=encoded if self.queues.inline else None,
                 queue=destination(message),
+                routed=(message.routed.worker, encoded) if message.routed else None,
             )
             verdict = admission.verdict(await self._admit_script(keys=keys, args=args))
             if verdict.refusal is not None:

@@ -137,6 +137,7 @@ class JobStore:
         abandon: Callable[[], bool],
         rejoin_s: float,
         delivery: str = "",
+        routed_to: str | None = None,
     ) -> Claim:
         """Start an attempt: ``running`` with the attempt counted and the lease taken, unless
         the job must not run here. One round trip when it runs (``CLAIM``).
@@ -148,7 +149,8 @@ class JobStore:
         ``wait_until`` (unix time) passes, or ``abandon()`` says to stop. Right after a Redis
         outage (within ``rejoin_s``), a running job without a lease is given that long for its
         attempt to take its lease back before it is claimed again. ``delivery`` (the message's
-        broker tag) is recorded as held by this worker in the same step.
+        broker tag) is recorded as held by this worker in the same step; ``routed_to`` (the
+        worker the job was routed to) has its kept message released (``routed_key``).
         """
         while True:
             started = _now()
@@ -161,6 +163,7 @@ class JobStore:
                 self._lease_ttl_s,
                 self._ttl_s,
                 delivery,
+                routed_to,
             )
             reply = self._patiently(functools.partial(self._run, self._claim, keys, args))
             outcome = Claimed(reply[0])

@@ -32,8 +32,15 @@ from kombu import Connection
 from redis import Redis
 
 from contracts import routing
-from contracts.keys import WORKER_QUEUES, WORKERS_INDEX, held_key, worker_key
-from contracts.queues import Tier, queue_for
+from contracts.keys import (
+    WORKER_QUEUES,
+    WORKERS_INDEX,
+    held_key,
+    job_key,
+    routed_key,
+    worker_key,
+)
+from contracts.queues import QUEUE_PREFIX, Tier, queue_for
 from contracts.task_messages import accepted_at
 from worker.background import Periodic
 
@@ -106,11 +113,26 @@ def hand_back(redis: Redis, worker_id: str, limit: int = 0) -> int:
     tiers' shared queues, in one script; how many moved."""
     moved = redis.eval(
         routing.HANDBACK,
-        1,
+        2,
         routing.worker_queue(worker_id),
+        routed_key(worker_id),
         *routing.handback_args(limit, queue_for(Tier.HOT)),
     )
     return int(moved)  # type: ignore[arg-type]
+
+
+def recover(redis: Redis, worker_id: str) -> int:
+    """For a worker that is gone, after its queue was handed back: push again the message of
+    every job routed to it that no worker received (``routing.RECOVER``); how many."""
+    pushed = redis.eval(
+        routing.RECOVER,
+        1,
+        routed_key(worker_id),
+        job_key(""),
+        queue_for(Tier.HOT),
+        QUEUE_PREFIX,
+    )
+    return int(pushed)  # type: ignore[arg-type]
 
 
 class QueueKeeper(Periodic):
@@ -143,6 +165,16 @@ class QueueKeeper(Periodic):
             state = json.loads(raw).get("state") if raw is not None else None
             if state != "serving":
                 handed = hand_back(self._redis, worker_id)
+                if raw is None:
+                    recovered = recover(self._redis, worker_id)
+                    if recovered:
+                        log.warning(
+                            "worker %s is gone: %d routed job(s) it may have taken with it "
+                            "(received by nobody) pushed again",
+                            worker_id,
+                            recovered,
+                        )
+                    handed += recovered
                 if handed:
                     log.warning(
                         "worker %s is %s: %d routed job(s) back to the shared queues",

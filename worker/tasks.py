@@ -93,6 +93,7 @@ def _run(rt: WorkerRuntime, payload: dict[str, Any], delivery: str) -> None:
         abandon=lambda: rt.failed,
         rejoin_s=rt.settings.lease_rejoin_s,
         delivery=delivery,
+        routed_to=message.routed.worker if message.routed else None,
     )
     metrics.DELIVERIES.labels(claim.outcome.value).inc()
     if claim.outcome == ClaimOutcome.EXHAUSTED:

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections import Counter
+from datetime import UTC, datetime
 
 from redis import Redis
 
-from contracts import routing
+from contracts import admission, routing
+from contracts.job_records import CLAIM, claim_call
 from contracts.jobs import JobMessage, Routed, Sampling
-from contracts.keys import WORKER_QUEUES, worker_key
+from contracts.keys import WORKER_QUEUES, job_key, routed_key, worker_key
 from contracts.queues import Tier, queue_for
 from contracts.registry import BaseModelRef
 from contracts.routing import Decision, Level, Policy, WorkerState, choose
 from contracts.task_messages import accepted_at
 from gateway.queue import job_message
 from gateway.routing import destination, worker_state
+from tests.helpers import new_job
 from worker.reaper import QueueKeeper, hand_back
 
 BASE = "sha256:" + "b" * 64
@@ -82,16 +86,12 @@ def test_first_misses_for_one_adapter_land_on_one_worker_and_spread_across_adapt
     assert 0 < len(moved) < 400 / 4
 
 
-def test_a_new_copy_is_placed_only_when_every_holder_is_overloaded_and_never_past_the_cap() -> (
-    None
-):
+def test_a_new_copy_is_placed_only_when_every_holder_is_overloaded_and_never_past_the_cap() -> None:
     d = _digest(2)
     busy = [_worker("w1", {d: Level.ENGINE}, outstanding=8), _worker("w2"), _worker("w3")]
     placed = choose(busy, BASE, HOT, d, POLICY)
     assert placed.decision == Decision.PLACED and placed.worker_id in {"w2", "w3"}
-    assert placed.worker_id == max(
-        ("w2", "w3"), key=lambda name: routing.rendezvous_score(d, name)
-    )
+    assert placed.worker_id == max(("w2", "w3"), key=lambda name: routing.rendezvous_score(d, name))
     at_cap = [
         _worker("w1", {d: Level.ENGINE}, outstanding=8),
         _worker("w2", {d: Level.DISK}, outstanding=9),
@@ -220,3 +220,75 @@ def test_the_queue_keeper_hands_back_a_gone_workers_queue_and_a_live_ones_stale_
     finally:
         redis.zrem(WORKER_QUEUES, gone, live)
         redis.delete(hot, worker_key(live), routing.worker_queue(live), routing.worker_queue(gone))
+
+
+def _admit_routed(redis: Redis, worker: str, accepted: float) -> tuple[JobMessage, str]:
+    """Admit a job routed to ``worker`` through the real ``ADMIT``, message pushed inline."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    message = _message(uuid.uuid4().hex, Tier.HOT, accepted, worker)
+    message = message.model_copy(update={"tenant": tenant})
+    job = new_job(id=message.job_id, tenant=tenant)
+    encoded = job_message(message)
+    keys, args = admission.admit_call(
+        job,
+        accepted + 120,
+        admission.Limits(tier_max=10_000, tenant_max=100, rate_per_s=1000.0, burst=1000),
+        60,
+        message=encoded,
+        queue=destination(message),
+        routed=(worker, encoded),
+    )
+    verdict = admission.verdict(redis.register_script(admission.ADMIT)(keys=keys, args=args))
+    assert verdict.refusal is None
+    return message, encoded
+
+
+def test_a_routed_jobs_message_is_kept_until_a_worker_receives_it(redis: Redis) -> None:
+    worker, runner = f"h:5:{time.time_ns()}", f"h:6:{time.time_ns()}"
+    message, encoded = _admit_routed(redis, worker, time.time())
+    assert redis.hget(job_key(message.job_id), "message") == encoded
+    assert redis.zscore(routed_key(worker), message.job_id) is not None
+    keys, args = claim_call(
+        message.job_id, runner, datetime.now(tz=UTC), 3, False, 30, 60, routed_to=worker
+    )
+    assert redis.register_script(CLAIM)(keys=keys, args=args)[0] == "run"
+    assert redis.hget(job_key(message.job_id), "message") is None
+    assert redis.zscore(routed_key(worker), message.job_id) is None
+    redis.delete(routing.worker_queue(worker), job_key(message.job_id))
+
+
+def test_a_gone_workers_routed_jobs_that_nobody_received_are_pushed_again(redis: Redis) -> None:
+    """A worker killed while blocked on its queue takes the next message pushed there with it
+    (the reply to its BRPOP lands in a dead socket: seen in tests/integration/
+    test_fleet_routing.py). Its queue keeper pushes such jobs' kept messages again."""
+    hot = queue_for(Tier.HOT)
+    dead = f"h:7:{time.time_ns()}"
+    now = time.time()
+    lost, _ = _admit_routed(redis, dead, now)
+    waiting, _ = _admit_routed(redis, dead, now + 1)
+    ran, ran_message = _admit_routed(redis, dead, now + 2)
+    redis.delete(hot)
+    try:
+        # The dead worker's BRPOP took the oldest (right end): it is in no list any more.
+        assert _ids(redis, routing.worker_queue(dead))[0] == lost.job_id
+        redis.rpop(routing.worker_queue(dead))
+        # Another worker ran one (its claim releases the kept message).
+        redis.lrem(routing.worker_queue(dead), 1, ran_message)
+        keys, args = claim_call(
+            ran.job_id, "other", datetime.now(tz=UTC), 3, False, 30, 60, "", dead
+        )
+        redis.register_script(CLAIM)(keys=keys, args=args)
+        redis.zadd(WORKER_QUEUES, {dead: now})
+        moved = QueueKeeper(redis, interval_s=1, max_wait_s=10).sweep()
+        # The waiting one handed back from the queue, the lost one pushed again; not the one
+        # that ran.
+        assert moved == 2
+        assert sorted(_ids(redis, hot)) == sorted([lost.job_id, waiting.job_id])
+        assert redis.exists(routed_key(dead)) == 0
+        assert redis.hget(job_key(lost.job_id), "message") is None
+        assert QueueKeeper(redis, interval_s=1, max_wait_s=10).sweep() == 0
+    finally:
+        redis.zrem(WORKER_QUEUES, dead)
+        redis.delete(hot, routing.worker_queue(dead), routed_key(dead))
+        for job in (lost, waiting, ran):
+            redis.delete(job_key(job.job_id))

@@ -36,6 +36,9 @@ from tests.helpers import job_record
 DEADLINE_S = 120
 MAX_ATTEMPTS = 2
 FLEET_ENV = {
+    # These tests are about delivery through the shared queue (pausing its consumers, counting
+    # it); routing to workers' own queues is tested in tests/integration/test_fleet_routing.py.
+    "LORAFLEET_ROUTING": "false",
     "LORAFLEET_JOB_DEADLINE_S": str(DEADLINE_S),
     # A dead worker's jobs go back to their queue ~7 s after its last heartbeat (4 beats + 2 s,
     # then the next reaper sweep), well before their deadline.
