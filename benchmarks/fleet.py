@@ -39,10 +39,12 @@ from typing import Any
 
 import aiohttp
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 from redis.asyncio import Redis
 from rich.console import Console
 from rich.table import Table
 
+from contracts import metrics as names
 from contracts.keys import WORKER_QUEUES, WORKERS_INDEX, worker_key
 from contracts.queues import Tier, queue_for
 from contracts.registry import AdapterRecord, BaseModelRef
@@ -113,6 +115,7 @@ class SimWorker:
             "base_model": BASE.model_dump(),
             "queues": [queue_for(TIER)],
             "concurrency": self._model.concurrency,
+            "max_loras": self._model.max_loras,
             "jobs_running": self.running,
             "adapters": adapters,
             "seen_at": time.time(),
@@ -257,6 +260,20 @@ async def submit_load(
     return statuses
 
 
+async def decisions(url: str) -> Counter[str]:
+    """The gateway's routing decisions so far, from its own metrics."""
+    async with aiohttp.ClientSession(url) as http, http.get("/metrics") as response:
+        text = await response.text()
+    counted: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{names.ROUTING_DECISIONS}_total" or (
+                sample.name == names.ROUTING_DECISIONS
+            ):
+                counted[sample.labels["decision"]] += int(sample.value)
+    return counted
+
+
 def pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else float("nan")
 
@@ -286,6 +303,7 @@ async def cell(
         if distribution == "zipf"
         else [1.0] * len(aliases)
     )
+    decided_before = await decisions(url)
     cpu_before = {name: p.cpu_times() for name, p in processes.items()}
     started = time.time()
     statuses = await submit_load(
@@ -295,6 +313,8 @@ async def cell(
     cpu = {
         name: sum(p.cpu_times()[:2]) - sum(cpu_before[name][:2]) for name, p in processes.items()
     }
+    decided = await decisions(url)
+    decided.subtract(decided_before)
     for task in tasks:
         task.cancel()
     for worker in fleet:
@@ -318,6 +338,7 @@ async def cell(
         "ttft_p99": pct(ttft, 99) * 1000,
         "busiest": max(stats.jobs.values()) / max(1, sum(stats.jobs.values())),
         "cpu": cpu,
+        "decisions": decided,
     }
 
 
@@ -332,6 +353,7 @@ async def main_async(args: argparse.Namespace) -> None:
         "LORAFLEET_TENANT_RATE_PER_S": "100000",
         "LORAFLEET_TENANT_BURST": "100000",
         "LORAFLEET_JOB_TTL_S": "120",
+        "LORAFLEET_METRICS_PUBLIC": "true",
     }
     try:
         stack.start_infra()
@@ -371,7 +393,8 @@ async def main_async(args: argparse.Namespace) -> None:
                         stack, urls[routing], aliases, distribution, workers, args, processes
                     )
                     console.print(
-                        f"  {result['jobs']} jobs ({result['refused']} refused); CPU s: "
+                        f"  {result['jobs']} jobs ({result['refused']} refused); decisions "
+                        f"{dict(result['decisions'])}; CPU s: "
                         + ", ".join(f"{name} {s:.1f}" for name, s in result["cpu"].items())
                     )
                     table.add_row(

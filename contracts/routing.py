@@ -14,10 +14,11 @@ its own queue, and routed to it by this gateway since the last refresh) reach
 1. **resident**: a worker of the pool that holds ``D`` (pinned > registered in the engine >
    on disk), not overloaded, least loaded among those of the best level: its own queue.
 2. **placed**: if fewer than ``LORAFLEET_ROUTE_MAX_COPIES`` workers hold ``D`` (none, for a
-   first miss), the worker of the pool, not overloaded, that ranks first for ``D`` by
-   rendezvous hashing (highest ``hash(D, worker)``): every gateway picks the same one, so
-   concurrent first misses for an adapter make one copy, not one per worker, and a worker
-   joining or leaving moves only the adapters it ranks first for.
+   first miss), of the two workers of the pool, not overloaded, that rank first for ``D`` by
+   rendezvous hashing (highest ``hash(D, worker)``), the less busy (jobs per concurrency
+   plus adapters in the engine per GPU slot): gateways with the same view pick the same one,
+   so concurrent first misses for an adapter make one copy (two at most), not one per
+   worker, and a worker joining or leaving moves only adapters it ranks high for.
 3. **shared**: otherwise (every holder overloaded and the copies at the cap, nobody to place
    on, no fresh view of the fleet, or a pool of one worker that the shared queue reaches
    alone): the tier's queue, which every worker of the tier takes from.
@@ -93,6 +94,8 @@ class WorkerState:
     """Jobs running on it plus jobs waiting in its own queue."""
     adapters: Mapping[str, Level] = field(default_factory=dict)
     """Adapter digest -> the best level it holds it at."""
+    slots: int = 1
+    """GPU adapter slots (``max_loras``)."""
 
 
 @dataclass(frozen=True)
@@ -153,9 +156,22 @@ def choose(
     if len(holders) < policy.max_copies:
         others = [w for w in pool if digest not in w.adapters and free(w)]
         if others:
-            chosen = max(others, key=lambda w: rendezvous_score(digest, w.worker_id))
+            # The first two by rendezvous rank, the less busy of them (ties: the first): two
+            # choices bound how many adapters pile onto one worker far better than one, and
+            # concurrent first misses still land on at most two workers (within the cap).
+            ranked = sorted(others, key=lambda w: -rendezvous_score(digest, w.worker_id))[:2]
+            chosen = min(ranked, key=lambda w: _busy(w, extra.get(w.worker_id, 0)))
             return Route(Decision.PLACED, chosen)
     return SHARED
+
+
+def _busy(worker: WorkerState, extra: int) -> float:
+    """Jobs per unit of concurrency plus adapters in the engine per GPU adapter slot: what a
+    new adapter competes with there."""
+    in_engine = sum(1 for level in worker.adapters.values() if level >= Level.ENGINE)
+    return (worker.outstanding + extra) / max(1, worker.concurrency) + in_engine / max(
+        1, worker.slots
+    )
 
 
 def copies(workers: Sequence[WorkerState]) -> dict[str, int]:

@@ -51,6 +51,7 @@ def worker_state(record: dict[str, Any], waiting: int) -> routing.WorkerState | 
         concurrency=int(record.get("concurrency") or 1),
         outstanding=int(record.get("jobs_running") or 0) + waiting,
         adapters=adapters,
+        slots=int(record.get("max_loras") or 1),
     )
 
 

@@ -37,6 +37,7 @@ def _worker(
     concurrency: int = 8,
 ) -> WorkerState:
     return WorkerState(
+        slots=4,
         worker_id=name,
         queue=routing.worker_queue(name),
         base_model=base,
@@ -102,6 +103,17 @@ def test_a_new_copy_is_placed_only_when_every_holder_is_overloaded_and_never_pas
     fresh = [_worker("w1", {d: Level.ENGINE}, outstanding=0), _worker("w2"), _worker("w3")]
     assert choose(fresh, BASE, HOT, d, POLICY, {"w1": 7}).worker_id == "w1"
     assert choose(fresh, BASE, HOT, d, POLICY, {"w1": 8}).decision == Decision.PLACED
+
+
+def test_a_first_miss_goes_to_the_less_busy_of_its_two_first_ranked_workers() -> None:
+    d = _digest(4)
+    names = sorted((f"w{i}" for i in range(6)), key=lambda n: -routing.rendezvous_score(d, n))
+    first, second = names[0], names[1]
+    full = {_digest(100 + i): Level.ENGINE for i in range(4)}
+    fleet = [_worker(name, full if name == first else {}) for name in names]
+    assert choose(fleet, BASE, HOT, d, POLICY).worker_id == second
+    busy = [_worker(name, {}, outstanding=4 if name == second else 0) for name in names]
+    assert choose(busy, BASE, HOT, d, POLICY).worker_id == first
 
 
 def test_only_workers_of_the_base_model_and_tier_are_routed_to() -> None:
