@@ -40,7 +40,7 @@ from typing import Any
 import aiohttp
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from rich.console import Console
 from rich.table import Table
 
@@ -205,7 +205,7 @@ class SimWorker:
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        await self._redis.delete(worker_key(self.worker_id), self.queue)
+        await self._redis.delete(worker_key(self.worker_id))
         await self._redis.srem(WORKERS_INDEX, self.worker_id)
 
 
@@ -260,6 +260,12 @@ async def submit_load(
     return statuses
 
 
+def _loud(task: asyncio.Task[None]) -> None:
+    """A simulated worker's loop that dies says so (it would skew the cell silently)."""
+    if not task.cancelled() and task.exception() is not None:
+        console.print(f"[red]simulated worker loop failed: {task.exception()!r}[/]")
+
+
 async def decisions(url: str) -> Counter[str]:
     """The gateway's routing decisions so far, from its own metrics."""
     async with aiohttp.ClientSession(url) as http, http.get("/metrics") as response:
@@ -287,16 +293,28 @@ async def cell(
     args: argparse.Namespace,
     processes: dict[str, psutil.Process],
 ) -> dict[str, Any]:
-    redis = Redis.from_url(stack.redis_url, decode_responses=True, max_connections=workers + 16)
+    redis = Redis.from_url(stack.redis_url, decode_responses=True)
     for key in (queue_for(TIER), WORKERS_INDEX, WORKER_QUEUES):
         await redis.delete(key)
+    # A pool per simulated worker, as each real worker has its own: a blocked BRPOP holds a
+    # connection, and a shared pool would starve the announcers.
+    pools = [
+        Redis(
+            connection_pool=BlockingConnectionPool.from_url(
+                stack.redis_url, decode_responses=True, max_connections=4, timeout=30
+            )
+        )
+        for _ in range(workers)
+    ]
     stats = Stats()
     model = EngineModel()
-    fleet = [SimWorker(i, redis, model, stats) for i in range(workers)]
+    fleet = [SimWorker(i, pools[i], model, stats) for i in range(workers)]
     for worker in fleet:
         await worker.announce()
     tasks = [asyncio.create_task(w.consumer()) for w in fleet]
     tasks += [asyncio.create_task(w.announcer()) for w in fleet]
+    for task in tasks:
+        task.add_done_callback(_loud)
     await asyncio.sleep(1.0)  # the gateways' next read of the fleet sees every worker
     weights = (
         [1 / rank**ZIPF_S for rank in range(1, len(aliases) + 1)]
@@ -319,6 +337,12 @@ async def cell(
         task.cancel()
     for worker in fleet:
         await worker.stop()
+    stranded = int(await redis.llen(queue_for(TIER)))  # type: ignore[misc]
+    for worker in fleet:
+        stranded += int(await redis.llen(worker.queue))  # type: ignore[misc]
+        await redis.delete(worker.queue)
+    for pool in pools:
+        await pool.aclose()
     await redis.aclose()
     steady = started + args.seconds / 2  # the second half: caches past their first fill
     arrived = [level for at, level in stats.arrivals if at >= steady]
@@ -328,6 +352,7 @@ async def cell(
     minutes = workers * (time.time() - started) / 60
     return {
         "jobs": sum(stats.jobs.values()),
+        "stranded": stranded,
         "refused": sum(n for status, n in statuses.items() if status != 202),
         "engine_hit": sum(level == "engine" for level in arrived) / max(1, len(arrived)),
         "local_hit": sum(level != "remote" for level in arrived) / max(1, len(arrived)),
@@ -393,7 +418,8 @@ async def main_async(args: argparse.Namespace) -> None:
                         stack, urls[routing], aliases, distribution, workers, args, processes
                     )
                     console.print(
-                        f"  {result['jobs']} jobs ({result['refused']} refused); decisions "
+                        f"  {result['jobs']} jobs started ({result['refused']} refused, "
+                        f"{result['stranded']} never taken); decisions "
                         f"{dict(result['decisions'])}; CPU s: "
                         + ", ".join(f"{name} {s:.1f}" for name, s in result["cpu"].items())
                     )

@@ -134,9 +134,11 @@ def test_worker_queues_keda_triggers_and_minimum_replicas_match_the_code() -> No
         ]
         assert scaled["spec"]["minReplicaCount"] == minimum
         (trigger,) = scaled["spec"]["triggers"]
-        assert trigger["metadata"]["listName"] in ALL_QUEUES
-        assert trigger["metadata"]["listName"] == env["LORAFLEET_QUEUES"]
-        assert int(trigger["metadata"]["listLength"]) == defaults.fleet_target_jobs_per_worker
+        # Scaled on the ledger (the gateway's gauge of it), as /v1/fleet recommends.
+        assert trigger["type"] == "prometheus"
+        query = trigger["metadata"]["query"]
+        assert f'{metrics.ADMITTED_UNFINISHED}{{tier="{tier.value}"}}' in query
+        assert int(trigger["metadata"]["threshold"]) == defaults.fleet_target_jobs_per_worker
     for service in _compose()["services"].values():
         queues = service.get("environment", {}).get("LORAFLEET_QUEUES")
         if queues:
