@@ -53,6 +53,7 @@ class ErrorCode(StrEnum):
     # Publishing and registry management (CLI): nothing is uploaded or registered
     NAME_INVALID = "name_invalid"
     NAME_TAKEN = "name_taken"
+    PINS_EXCEED_SLOTS = "pins_exceed_slots"
     CHANNEL_NOT_FOUND = "channel_not_found"
     ALIAS_EXISTS = "alias_exists"
     ADAPTER_CONFIG_MISSING = "adapter_config_missing"

@@ -12,10 +12,11 @@ from typing import Any
 from botocore.exceptions import ClientError
 
 from contracts.digests import Manifest, manifest_of
+from contracts.errors import ErrorCode
 from contracts.queues import Tier
 from contracts.registry import AdapterRecord, BaseModelRef
 from contracts.storage import blob_key, manifest_key
-from lorafleet.registry import Registry, check_name
+from lorafleet.registry import Registry, RegistryError, check_name
 from lorafleet.validation import ADAPTER_FILES, Limits, validate_adapter
 
 
@@ -83,8 +84,30 @@ class Publisher:
             owner=owner,
             created_at=datetime.now(tz=UTC),
         )
+        if tier == Tier.HOT:
+            self._check_pins(alias, digest)
         if existing is None and self.registry.channel(alias) is None:
             # Content-addressed: an upload can only add correctly-named blobs; it never
             # changes what an existing alias means.
             upload_artifact(self._s3, self._bucket, directory, manifest)
         return self.registry.register(record)
+
+    def _check_pins(self, alias: str, digest: str) -> None:
+        """Refuse a hot adapter the live workers of its base model could not pin (before
+        anything is uploaded or registered): a worker pins every hot adapter of its base
+        model and keeps one GPU slot free for the others."""
+        room = self.registry.pin_room(self.base_model.digest)
+        if room is None:
+            return  # no worker to ask; one that starts pins what fits and says which not
+        pins, hot = room
+        if len(hot) < pins or digest in hot:
+            return
+        raise RegistryError(
+            ErrorCode.PINS_EXCEED_SLOTS,
+            f"{alias!r} would be hot adapter {len(hot) + 1} of base model "
+            f"{self.base_model.id}, whose workers pin at most {pins} (LORAFLEET_MAX_LORAS - 1: "
+            f"one GPU slot stays free for every other adapter); hot now: "
+            f"{', '.join(sorted(hot.values()))}. "
+            "Nothing was published. Publish it warm, retire a hot adapter, or give the "
+            "workers more slots.",
+        )

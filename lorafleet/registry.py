@@ -8,6 +8,7 @@ A record that does not parse (another version's, or written by hand) is reported
 
 from __future__ import annotations
 
+import json
 import re
 
 from redis import Redis
@@ -17,9 +18,12 @@ from contracts.keys import (
     ADAPTERS_INDEX,
     CHANNELS_INDEX,
     RETIRED_INDEX,
+    WORKERS_INDEX,
     adapter_key,
     channel_key,
+    worker_key,
 )
+from contracts.queues import Tier, queue_for
 from contracts.registry import SLUG_PATTERN, AdapterRecord, UnreadableRecord, read_record
 
 Entry = AdapterRecord | UnreadableRecord
@@ -115,6 +119,35 @@ class Registry:
         aliases = sorted(_text(a) for a in self._redis.smembers(ADAPTERS_INDEX))  # type: ignore[union-attr]
         entries = (self.get(alias) for alias in aliases)
         return [entry for entry in entries if entry is not None]
+
+    def pin_room(self, base_digest: str) -> tuple[int, dict[str, str]] | None:
+        """How many hot adapters the live workers of ``base_digest`` that take the hot queue
+        can pin (the fewest of them: ``max_loras`` - 1, one slot stays free for the rest),
+        and the active hot adapters of that base model now (digest -> an alias naming it);
+        ``None`` while no such worker announces itself (nothing to check against)."""
+        ids = [_text(i) for i in self._redis.smembers(WORKERS_INDEX)]  # type: ignore[union-attr]
+        raws = self._redis.mget([worker_key(i) for i in ids]) if ids else []
+        slots = []
+        for raw in raws:  # type: ignore[union-attr]
+            if raw is None:
+                continue
+            try:
+                worker = json.loads(_text(raw))
+                serves = (worker.get("base_model") or {}).get("digest") == base_digest
+                if serves and queue_for(Tier.HOT) in (worker.get("queues") or ()):
+                    slots.append(int(worker["max_loras"]))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # an announcement of another version: not counted
+        if not slots:
+            return None
+        retired = self.retired()
+        hot: dict[str, str] = {}
+        for entry in self.list():
+            if isinstance(entry, UnreadableRecord) or entry.alias in retired:
+                continue
+            if entry.tier == Tier.HOT and entry.base_model.digest == base_digest:
+                hot.setdefault(entry.digest, entry.alias)
+        return min(slots) - 1, hot
 
     def retired(self) -> set[str]:
         return {_text(a) for a in self._redis.smembers(RETIRED_INDEX)}  # type: ignore[union-attr]

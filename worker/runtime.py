@@ -190,12 +190,20 @@ class WorkerRuntime:
         self.held.start()
         self.deltas.start()
         hot, warm = preload_sets(self.redis, self.base_model.digest)
-        if len(hot) >= self.settings.max_loras:
-            raise RuntimeError(
-                f"{len(hot)} hot adapters would take every GPU adapter slot (max_loras="
-                f"{self.settings.max_loras}); at least one must stay free for other adapters. "
-                "Raise LORAFLEET_MAX_LORAS or move adapters to the warm tier."
+        room = self.settings.max_loras - 1  # one slot stays free for every other adapter
+        if len(hot) > room:
+            # Publishing refuses this while a worker of the pool is up (pins_exceed_slots); one
+            # that starts against such a registry serves the rest unpinned, never crash-loops.
+            log.error(
+                "%d hot adapters, %d GPU slots to pin them (LORAFLEET_MAX_LORAS=%d, one stays "
+                "free): not pinning %s (preloaded warm, served like any other adapter); raise "
+                "LORAFLEET_MAX_LORAS or retire hot adapters",
+                len(hot),
+                room,
+                self.settings.max_loras,
+                ", ".join(record.alias for record in hot[room:]),
             )
+            hot, warm = hot[:room], [*hot[room:], *warm]
         started = time.perf_counter()
         self.host.start()
         log.info("engine batch limits %s", self.host.batch_limits)
