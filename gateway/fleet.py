@@ -17,12 +17,14 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import Counter
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
 from contracts.keys import WORKERS_INDEX, worker_key
 from contracts.queues import Tier, queue_for
+from contracts.routing import worker_queue
 from gateway.config import GatewaySettings
 from gateway.tier_state import tier_states
 
@@ -37,6 +39,13 @@ class WorkerView(BaseModel):
     jobs_running: int
     free_slots: int
     seen_s_ago: float
+    own_queue: str | None = Field(
+        default=None, description="the queue of the jobs routed to it (README, Routing)"
+    )
+    own_queue_depth: int = Field(default=0, description="routed jobs waiting for it")
+    adapters_held: dict[str, int] = Field(
+        default_factory=dict, description="adapters it holds, by level (pinned, engine, disk)"
+    )
 
 
 class TierView(BaseModel):
@@ -59,13 +68,22 @@ async def fleet(redis: Redis, settings: GatewaySettings) -> Fleet:
     now = time.time()
     states = await tier_states(redis, now)
     ids = sorted(str(i) for i in await redis.smembers(WORKERS_INDEX))
-    announcements = await redis.mget([worker_key(worker_id) for worker_id in ids]) if ids else []
+    announcements: list[str | None] = []
+    depths: list[int] = []
+    if ids:
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.mget([worker_key(worker_id) for worker_id in ids])
+            for worker_id in ids:
+                pipe.llen(worker_queue(worker_id))
+            replies = await pipe.execute()
+        announcements, depths = replies[0], [int(depth) for depth in replies[1:]]
     workers = []
-    for raw in announcements:
+    for raw, depth in zip(announcements, depths, strict=True):
         if raw is None:
             continue  # its announcement expired: not alive
         record = json.loads(raw)
         running = int(record.get("jobs_running") or 0)
+        held = Counter(str(level) for level in (record.get("adapters") or {}).values())
         workers.append(
             WorkerView(
                 worker_id=record["worker_id"],
@@ -75,6 +93,9 @@ async def fleet(redis: Redis, settings: GatewaySettings) -> Fleet:
                 jobs_running=running,
                 free_slots=max(0, int(record.get("concurrency") or 0) - running),
                 seen_s_ago=round(now - float(record["seen_at"]), 3),
+                own_queue=record.get("queue"),
+                own_queue_depth=depth,
+                adapters_held=dict(held),
             )
         )
     tiers = []

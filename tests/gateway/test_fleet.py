@@ -37,9 +37,22 @@ def test_fleet_shows_the_live_worker_and_its_pinned_adapters(
         assert tier["queue"] in worker["queues"]
         assert {name.split("@")[0] for name in worker["pinned"]} == hot_aliases
         assert worker["free_slots"] <= 32 and worker["seen_s_ago"] < 30
+        # Routing's view of it: its own queue (the session's one worker: nothing routed to
+        # it) and the adapters it holds, its pinned hot ones among them.
+        assert worker["own_queue"] == f"lorafleet.worker.{worker['worker_id']}"
+        assert worker["own_queue_depth"] == 0
         load = math.ceil(tier["admitted_unfinished"] / 64)
         assert tier["recommended_replicas"] >= max(1 if tier["tier"] == "hot" else 0, load)
     assert "ceil(admitted_unfinished / 64)" in fleet["formula"]
+    # Published at least every second (the engine's answer may lag its first announcement).
+    deadline = time.monotonic() + 15
+    while True:
+        (worker, *_) = fleet["tiers"][0]["workers"]
+        if worker["adapters_held"].get("pinned") == len(hot_aliases) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+        fleet = httpx.get(f"{gateway_url}/v1/fleet", headers=auth_headers(key)).json()
+    assert worker["adapters_held"].get("pinned") == len(hot_aliases), worker["adapters_held"]
 
 
 def test_recommended_replicas_follow_load_and_queue_age(
