@@ -74,6 +74,7 @@ _WORKER_OR_CLI_ONLY = {
     "name_taken",
     "channel_not_found",
     "alias_exists",
+    "pins_exceed_slots",
     "adapter_config_missing",
     "adapter_config_invalid",
     "adapter_unsafe_format",
