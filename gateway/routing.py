@@ -1,5 +1,9 @@
 """The gateway's view of the fleet, and the routing decision made from it at admission.
 
+Routing needs the queues in the job store's Redis (the default: no ``LORAFLEET_BROKER_URL``
+of its own), and no live worker of a release without own queues (during a rolling upgrade
+every job goes to its shared queue).
+
 Every ``LORAFLEET_ROUTE_REFRESH_S`` one task reads every live worker's announcement and the
 length of its own queue (two pipelined round trips, whatever the traffic); admissions route
 on that view in memory (``contracts.routing.choose``), so routing adds no Redis round trip
@@ -30,12 +34,25 @@ from gateway.metrics import GatewayMetrics
 log = logging.getLogger(__name__)
 
 
-def worker_state(record: dict[str, Any], waiting: int) -> routing.WorkerState | None:
+def predates_routing(record: dict[str, Any]) -> bool:
+    """A serving worker of a release without own queues: it refuses a message that names a
+    routing (its job schema forbids unknown fields), and a routed job handed back to a shared
+    queue could reach it, so nothing is routed while one lives (a rolling upgrade)."""
+    return record.get("state") == "serving" and "queue" not in record
+
+
+def worker_state(
+    record: dict[str, Any], waiting: int, now: float, max_age_s: float
+) -> routing.WorkerState | None:
     """A serving worker's announcement as routing sees it; ``None`` for a worker routing must
-    not send to (draining, failed, or one that predates own queues)."""
+    not send to: draining, failed, one that predates own queues, or one silent for longer
+    than ``max_age_s`` (it publishes every second while it lives; a killed worker's record
+    outlives it by its heartbeat expiry)."""
     queue = record.get("queue")
     worker_id = str(record.get("worker_id"))
     if record.get("state") != "serving" or queue != routing.worker_queue(worker_id):
+        return None
+    if now - float(record.get("seen_at") or 0) > max_age_s:
         return None
     held = record.get("adapters") or {}
     adapters = {
@@ -65,6 +82,11 @@ class FleetRouter(LoopTask):
         self._workers: list[routing.WorkerState] = []
         self._read_at = -float("inf")  # monotonic
         self._routed: Counter[str] = Counter()
+        # Routed messages are pushed by the admission script onto lists of the job store's
+        # Redis, where the queue keepers hand them back: a broker of its own is not routed to.
+        self._enabled = settings.routing and settings.effective_broker_url == settings.redis_url
+        if settings.routing and not self._enabled:
+            log.warning("routing is off: the queues live on a broker of their own")
 
     async def run(self) -> None:
         while True:
@@ -84,10 +106,15 @@ class FleetRouter(LoopTask):
                 for worker_id in ids:
                     pipe.llen(routing.worker_queue(worker_id))
                 replies = await pipe.execute()
+            now = time.time()
             for raw, waiting in zip(replies[0], replies[1:], strict=True):
                 if raw is None:
                     continue  # its announcement expired: gone
-                state = worker_state(json.loads(raw), int(waiting))
+                record = json.loads(raw)
+                if predates_routing(record):
+                    workers = []
+                    break
+                state = worker_state(record, int(waiting), now, self._settings.route_view_max_age_s)
                 if state is not None:
                     workers.append(state)
         self._workers, self._read_at, self._routed = workers, time.monotonic(), Counter()
@@ -98,7 +125,7 @@ class FleetRouter(LoopTask):
         (``destination`` names the queue either way)."""
         decision = routing.SHARED
         fresh = time.monotonic() - self._read_at <= self._settings.route_view_max_age_s
-        if self._settings.routing and fresh:
+        if self._enabled and fresh:
             decision = routing.choose(
                 self._workers, base_model, queue_for(tier), digest, self._policy, self._routed
             )

@@ -84,7 +84,7 @@ class Publisher:
             owner=owner,
             created_at=datetime.now(tz=UTC),
         )
-        if tier == Tier.HOT:
+        if tier == Tier.HOT and existing is None:  # other bytes under the alias: alias_exists
             self._check_pins(alias, digest)
         if existing is None and self.registry.channel(alias) is None:
             # Content-addressed: an upload can only add correctly-named blobs; it never

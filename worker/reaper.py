@@ -158,10 +158,25 @@ class QueueKeeper(Periodic):
         )
         if not watched:
             return 0
-        ids = [str(worker_id) for worker_id, _ in watched]
-        records = self._redis.mget([worker_key(worker_id) for worker_id in ids])
+        # Only queues with something in them, a routed index, or long gone need a look (and
+        # their worker's record): one small round trip for the rest of the fleet.
+        pipe = self._redis.pipeline(transaction=False)
+        for worker_id, _ in watched:
+            pipe.llen(routing.worker_queue(worker_id))
+            pipe.exists(routed_key(worker_id))
+        counts = pipe.execute()
+        looked = [
+            (worker_id, seen)
+            for (worker_id, seen), waiting, indexed in zip(
+                watched, counts[::2], counts[1::2], strict=True
+            )
+            if waiting or indexed or float(seen) < now - QUEUE_FORGET_S
+        ]
+        if not looked:
+            return 0
+        records = self._redis.mget([worker_key(worker_id) for worker_id, _ in looked])
         moved = 0
-        for (worker_id, seen), raw in zip(watched, records, strict=True):  # type: ignore[arg-type]
+        for (worker_id, seen), raw in zip(looked, records, strict=True):  # type: ignore[arg-type]
             state = json.loads(raw).get("state") if raw is not None else None
             if state != "serving":
                 handed = hand_back(self._redis, worker_id)

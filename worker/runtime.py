@@ -183,6 +183,8 @@ class WorkerRuntime:
         self.adapters.on_change = self._residency_changed.set
         self.cache.on_change = self._residency_changed.set
         self._engine_levels: dict[str, str] = {}
+        self._published_levels: dict[str, str] | None = None
+        self._announcing = threading.Lock()
 
     def start(self) -> None:
         """Check the slot budget, start the engine, preload hot and warm adapters."""
@@ -382,7 +384,20 @@ class WorkerRuntime:
         metrics.RESIDENT.labels("gpu").set(len(self.pinned))
         log.info("pinned %s; warm preloaded %s", self.pinned, self.warm_preloaded)
 
-    def _announce(self) -> None:
+    def _announce(self, ask_engine: bool = True) -> bool:
+        """Write this worker's record (with the adapters it holds: the engine asked now, or
+        its last answer); one writer at a time, its state read just before the write, so a
+        heartbeat never puts back "serving" over "draining". False if nothing changed since
+        the last write and ``ask_engine`` is false (a change signal with nothing to say)."""
+        adapters = self._adapter_levels(ask_engine)
+        with self._announcing:
+            if not ask_engine and adapters == self._published_levels:
+                return False
+            self._published_levels = adapters
+            self._write_announcement(adapters)
+        return True
+
+    def _write_announcement(self, adapters: dict[str, str]) -> None:
         state = "failed" if self.failed else "draining" if self._draining else "serving"
         record = {
             "worker_id": self.worker_id,
@@ -406,7 +421,7 @@ class WorkerRuntime:
             "metrics_port": self.metrics_port,
             "queues": self.settings.queues.split(","),
             "queue": self.queue,
-            "adapters": self._adapter_levels(),
+            "adapters": adapters,
             "concurrency": self.settings.worker_concurrency,
             "seen_at": time.time(),
         }
@@ -419,11 +434,11 @@ class WorkerRuntime:
             pipe.zadd(WORKER_QUEUES, {self.worker_id: time.time()})
         pipe.execute()
 
-    def _adapter_levels(self) -> dict[str, str]:
+    def _adapter_levels(self, ask_engine: bool = True) -> dict[str, str]:
         """Digest -> ``pinned``, ``engine`` or ``disk`` of every adapter held here, for routing
-        (the engine's last answer if it is too busy to give one now)."""
+        (the engine's last answer if it is not asked, or too busy to give one now)."""
         levels = dict.fromkeys(self.cache.digests(), "disk")
-        if not self.failed:
+        if ask_engine and not self.failed:
             engine = self.adapters.levels(timeout_s=min(0.5, self.settings.residency_publish_s))
             if engine is not None:
                 self._engine_levels = engine
@@ -442,14 +457,22 @@ class WorkerRuntime:
         """Announce every ``residency_publish_s`` (at most the heartbeat period), and soon
         after the adapters held here changed (changes within ``PUBLISH_GATHER_S`` make one)."""
         period = min(self.settings.heartbeat_s, self.settings.residency_publish_s)
+        due = time.monotonic() + period
         while not stopping.is_set():
-            if self._residency_changed.wait(period) and stopping.wait(PUBLISH_GATHER_S):
+            changed = self._residency_changed.wait(max(0.0, due - time.monotonic()))
+            if changed and stopping.wait(PUBLISH_GATHER_S):
                 return
             self._residency_changed.clear()
             if stopping.is_set():
                 return
+            # The engine's set changes with nearly every request on a busy worker: a change
+            # between two periodic announcements publishes what the disk holds now and the
+            # engine's last answer (no question to the engine), and only if that differs.
+            periodic = time.monotonic() >= due
+            if periodic:
+                due = time.monotonic() + period
             try:
-                self._announce()
+                self._announce(ask_engine=periodic)
             except Exception as exc:  # a Redis outage must not kill the heartbeat thread
                 self.jobs.note_outage()
                 log.warning("heartbeat failed: %s", exc)

@@ -19,7 +19,7 @@ from contracts.registry import BaseModelRef
 from contracts.routing import Decision, Level, Policy, WorkerState, choose
 from contracts.task_messages import accepted_at
 from gateway.queue import job_message
-from gateway.routing import destination, worker_state
+from gateway.routing import destination, predates_routing, worker_state
 from tests.helpers import new_job
 from worker.reaper import QueueKeeper, hand_back
 
@@ -150,12 +150,17 @@ def test_an_announcement_routing_must_not_use_is_skipped() -> None:
         "jobs_running": 3,
         "adapters": {_digest(1): "engine", _digest(2): "disk", _digest(3): "unheard-of"},
     }
-    state = worker_state(record, waiting=2)
+    now = time.time()
+    state = worker_state({**record, "seen_at": now - 1}, 2, now, 5)
     assert state is not None
     assert state.outstanding == 5
     assert state.adapters == {_digest(1): Level.ENGINE, _digest(2): Level.DISK}
-    assert worker_state({**record, "state": "draining"}, 0) is None
-    assert worker_state({k: v for k, v in record.items() if k != "queue"}, 0) is None  # old
+    assert worker_state({**record, "seen_at": now, "state": "draining"}, 0, now, 5) is None
+    # Silent for longer than a living worker ever is (killed; its record not expired yet).
+    assert worker_state({**record, "seen_at": now - 6}, 0, now, 5) is None
+    old = {k: v for k, v in record.items() if k != "queue"}
+    assert worker_state({**old, "seen_at": now}, 0, now, 5) is None
+    assert predates_routing(old) and not predates_routing(record)
 
 
 def _message(job_id: str, tier: Tier, accepted: float, worker: str | None) -> JobMessage:

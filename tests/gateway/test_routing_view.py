@@ -1,0 +1,80 @@
+"""The gateway's routing view (``gateway.routing.FleetRouter``) against a real Redis: what it
+routes on, and when it routes nothing (an old worker alive, a broker of its own)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+
+from contracts.keys import WORKERS_INDEX, worker_key
+from contracts.queues import Tier, queue_for
+from contracts.registry import AdapterRecord
+from contracts.routing import worker_queue
+from gateway.config import GatewaySettings
+from gateway.metrics import GatewayMetrics
+from gateway.routing import FleetRouter
+
+
+def _announce(redis: Redis, worker_id: str, base: str, old: bool = False, **extra: Any) -> None:
+    record: dict[str, Any] = {
+        "worker_id": worker_id,
+        "state": "serving",
+        "base_model": {"id": "m", "digest": base},
+        "queues": [queue_for(tier) for tier in Tier],
+        "concurrency": 8,
+        "jobs_running": 0,
+        "max_loras": 4,
+        "adapters": {},
+        "seen_at": time.time(),
+        **extra,
+    }
+    if not old:
+        record["queue"] = worker_queue(worker_id)
+    redis.set(worker_key(worker_id), json.dumps(record), ex=60)
+    redis.sadd(WORKERS_INDEX, worker_id)
+
+
+def _routes(url: str, settings: GatewaySettings, record: AdapterRecord) -> Any:
+    async def go() -> Any:
+        redis = AsyncRedis.from_url(url, decode_responses=True)
+        try:
+            router = FleetRouter(redis, settings, GatewayMetrics(0))
+            await router.refresh()
+            return router.route(record.base_model.digest, record.tier, record.digest)
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(go())
+
+
+def test_the_view_routes_to_live_workers_and_to_none_while_an_old_one_lives(
+    private_redis: Redis, published: dict[str, AdapterRecord], infra: Any
+) -> None:
+    record = next(iter(published.values()))
+    url = str(private_redis.connection_pool.connection_kwargs.get("db"))
+    url = infra.redis_url.rsplit("/", 1)[0] + f"/{url}"
+    settings = GatewaySettings(redis_url=url)
+    base = record.base_model.digest
+    _announce(private_redis, "h:1:a", base)
+    _announce(private_redis, "h:4:c", base)
+    _announce(private_redis, "h:2:b", base, adapters={record.digest: "engine"})
+    routed = _routes(url, settings, record)
+    assert routed is not None and (routed.decision, routed.worker) == ("resident", "h:2:b")
+    # Silent for longer than a living worker is: not routed to (a killed one, say).
+    _announce(private_redis, "h:2:b", base, adapters={record.digest: "engine"}, seen_at=0)
+    routed = _routes(url, settings, record)
+    assert routed is not None and routed.decision == "placed"
+    assert routed.worker in {"h:1:a", "h:4:c"}
+    # A worker of a release without own queues: nothing is routed while it lives.
+    _announce(private_redis, "h:3:old", base, old=True)
+    assert _routes(url, settings, record) is None
+    private_redis.delete(worker_key("h:3:old"))
+    assert _routes(url, settings, record) is not None
+    # Queues on a broker of their own: not routed (the keepers could not hand them back).
+    broker = GatewaySettings(redis_url=url, broker_url=url.rsplit("/", 1)[0] + "/9")
+    assert _routes(url, broker, record) is None
