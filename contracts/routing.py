@@ -55,8 +55,8 @@ class Level(IntEnum):
     PINNED = 3
 
 
-LEVEL_NAMES = {Level.DISK: "disk", Level.ENGINE: "engine", Level.PINNED: "pinned"}
-LEVELS_BY_NAME = {name: level for level, name in LEVEL_NAMES.items()}
+LEVELS_BY_NAME = {"disk": Level.DISK, "engine": Level.ENGINE, "pinned": Level.PINNED}
+"""The levels as workers announce them."""
 
 
 class Decision(StrEnum):
@@ -84,7 +84,6 @@ class WorkerState:
     """One serving worker as the gateway last saw it."""
 
     worker_id: str
-    queue: str
     base_model: str
     """Digest of the base model it serves."""
     queues: frozenset[str]
@@ -183,41 +182,53 @@ def copies(workers: Sequence[WorkerState]) -> dict[str, int]:
     return counts
 
 
-HANDBACK = """
+_TARGET_LUA = """
+-- The shared queue a job message goes back to: the one its envelope names (its tier's,
+-- where kombu restores it too), or ``fallback`` for a message whose own cannot be read.
+-- Also the job id its envelope carries (or nil).
+local function target_of(message, fallback, queue_prefix, worker_prefix)
+  local ok, envelope = pcall(cjson.decode, message)
+  if not (ok and type(envelope) == 'table') then return fallback, nil end
+  local id = type(envelope.headers) == 'table' and envelope.headers.id or nil
+  if type(id) ~= 'string' then id = nil end
+  local info = type(envelope.properties) == 'table' and envelope.properties.delivery_info
+  local key = type(info) == 'table' and info.routing_key or nil
+  if type(key) == 'string' and string.sub(key, 1, #queue_prefix) == queue_prefix
+     and string.sub(key, 1, #worker_prefix) ~= worker_prefix then
+    return key, id
+  end
+  return fallback, id
+end
+"""
+
+HANDBACK = (
+    _TARGET_LUA
+    + """
 -- KEYS[1]: a worker's own queue, KEYS[2]: its routed index. ARGV[1]: how many of its oldest
--- messages to move (0: all); ARGV[2]: the queue for a message whose own cannot be read.
--- Each message goes back to the queue its envelope names (the tier's shared queue, where
--- kombu restores it too), at the end consumers take from, oldest taken first. One script:
--- a message is in one list or the other, never both, never neither.
+-- messages to move (0: all); ARGV[2..4]: ``handback_args``.
+-- Each message goes back to its shared queue, at the end consumers take from, oldest taken
+-- first. One script: a message is in one list or the other, never both, never neither.
 local limit = tonumber(ARGV[1])
 local moved = {}
 while limit == 0 or #moved < limit do
   local message = redis.call('RPOP', KEYS[1])
   if not message then break end
-  local target = ARGV[2]
-  local ok, envelope = pcall(cjson.decode, message)
-  if ok and type(envelope) == 'table' and type(envelope.properties) == 'table'
-     and type(envelope.properties.delivery_info) == 'table' then
-    local key = envelope.properties.delivery_info.routing_key
-    if type(key) == 'string' and string.sub(key, 1, #ARGV[3]) == ARGV[3]
-       and string.sub(key, 1, #ARGV[4]) ~= ARGV[4] then
-      target = key
-    end
-    -- No longer this worker's to lose: it is back in a shared queue.
-    if type(envelope.headers) == 'table' and type(envelope.headers.id) == 'string' then
-      redis.call('ZREM', KEYS[2], envelope.headers.id)
-    end
-  end
+  local target, id = target_of(message, ARGV[2], ARGV[3], ARGV[4])
+  -- No longer this worker's to lose: it is back in a shared queue.
+  if id then redis.call('ZREM', KEYS[2], id) end
   moved[#moved + 1] = {target, message}
 end
 for i = #moved, 1, -1 do redis.call('RPUSH', moved[i][1], moved[i][2]) end
 return #moved
 """
+)
 """Move a worker's routed jobs back to their shared queues (``handback_args``)."""
 
-RECOVER = """
+RECOVER = (
+    _TARGET_LUA
+    + """
 -- KEYS[1]: the routed index of a worker that is gone. ARGV[1]: the job key prefix,
--- ARGV[2]: the queue for a message whose own cannot be read, ARGV[3]: the queue prefix.
+-- ARGV[2..4]: ``handback_args``' last three.
 -- Every job routed to it that no worker received and that is still queued: its kept message
 -- goes onto its shared queue again (the dead worker's pending BRPOP may have taken it; if it
 -- did not, a second delivery of a job is harmless: the claim lets one run). Then the index
@@ -227,14 +238,7 @@ for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   local job = ARGV[1] .. id
   local fields = redis.call('HMGET', job, 'status', 'message')
   if fields[1] == 'queued' and fields[2] then
-    local target = ARGV[2]
-    local ok, envelope = pcall(cjson.decode, fields[2])
-    if ok and type(envelope) == 'table' and type(envelope.properties) == 'table'
-       and type(envelope.properties.delivery_info) == 'table' then
-      local key = envelope.properties.delivery_info.routing_key
-      if type(key) == 'string' and string.sub(key, 1, #ARGV[3]) == ARGV[3] then target = key end
-    end
-    redis.call('RPUSH', target, fields[2])
+    redis.call('RPUSH', (target_of(fields[2], ARGV[2], ARGV[3], ARGV[4])), fields[2])
     redis.call('HDEL', job, 'message')
     pushed = pushed + 1
   end
@@ -242,6 +246,7 @@ end
 redis.call('DEL', KEYS[1])
 return pushed
 """
+)
 """Push again the messages of a gone worker's routed jobs that it may have taken with it
 (``contracts.keys.routed_key``)."""
 

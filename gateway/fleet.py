@@ -14,7 +14,6 @@ objects in ``infra/k8s`` implement the same rule from queue lengths).
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import Counter
@@ -22,10 +21,9 @@ from collections import Counter
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
-from contracts.keys import WORKERS_INDEX, worker_key
 from contracts.queues import Tier, queue_for
-from contracts.routing import worker_queue
 from gateway.config import GatewaySettings
+from gateway.routing import announcements
 from gateway.tier_state import tier_states
 
 MIN_REPLICAS = {Tier.HOT: 1, Tier.WARM: 0, Tier.COLD: 0}
@@ -67,21 +65,8 @@ class Fleet(BaseModel):
 async def fleet(redis: Redis, settings: GatewaySettings) -> Fleet:
     now = time.time()
     states = await tier_states(redis, now)
-    ids = sorted(str(i) for i in await redis.smembers(WORKERS_INDEX))
-    announcements: list[str | None] = []
-    depths: list[int] = []
-    if ids:
-        async with redis.pipeline(transaction=False) as pipe:
-            pipe.mget([worker_key(worker_id) for worker_id in ids])
-            for worker_id in ids:
-                pipe.llen(worker_queue(worker_id))
-            replies = await pipe.execute()
-        announcements, depths = replies[0], [int(depth) for depth in replies[1:]]
     workers = []
-    for raw, depth in zip(announcements, depths, strict=True):
-        if raw is None:
-            continue  # its announcement expired: not alive
-        record = json.loads(raw)
+    for record, depth in await announcements(redis):
         running = int(record.get("jobs_running") or 0)
         held = Counter(str(level) for level in (record.get("adapters") or {}).values())
         workers.append(

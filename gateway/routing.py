@@ -62,7 +62,6 @@ def worker_state(
     }
     return routing.WorkerState(
         worker_id=worker_id,
-        queue=queue,
         base_model=str((record.get("base_model") or {}).get("digest", "")),
         queues=frozenset(record.get("queues") or ()),
         concurrency=int(record.get("concurrency") or 1),
@@ -70,6 +69,24 @@ def worker_state(
         adapters=adapters,
         slots=int(record.get("max_loras") or 1),
     )
+
+
+async def announcements(redis: Redis) -> list[tuple[dict[str, Any], int]]:
+    """Every live worker's announcement, with the jobs waiting in its own queue (two round
+    trips: the index, then the records and lengths pipelined); expired ones left out."""
+    ids = sorted(str(member) for member in await redis.smembers(WORKERS_INDEX))
+    if not ids:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.mget([worker_key(worker_id) for worker_id in ids])
+        for worker_id in ids:
+            pipe.llen(routing.worker_queue(worker_id))
+        replies = await pipe.execute()
+    return [
+        (json.loads(raw), int(waiting))
+        for raw, waiting in zip(replies[0], replies[1:], strict=True)
+        if raw is not None  # its announcement expired: gone
+    ]
 
 
 class FleetRouter(LoopTask):
@@ -98,25 +115,15 @@ class FleetRouter(LoopTask):
 
     async def refresh(self) -> None:
         """Read every announced worker and its queue's length (two round trips)."""
-        ids = sorted(str(member) for member in await self._redis.smembers(WORKERS_INDEX))
         workers: list[routing.WorkerState] = []
-        if ids:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.mget([worker_key(worker_id) for worker_id in ids])
-                for worker_id in ids:
-                    pipe.llen(routing.worker_queue(worker_id))
-                replies = await pipe.execute()
-            now = time.time()
-            for raw, waiting in zip(replies[0], replies[1:], strict=True):
-                if raw is None:
-                    continue  # its announcement expired: gone
-                record = json.loads(raw)
-                if predates_routing(record):
-                    workers = []
-                    break
-                state = worker_state(record, int(waiting), now, self._settings.route_view_max_age_s)
-                if state is not None:
-                    workers.append(state)
+        now = time.time()
+        for record, waiting in await announcements(self._redis):
+            if predates_routing(record):
+                workers = []
+                break
+            state = worker_state(record, waiting, now, self._settings.route_view_max_age_s)
+            if state is not None:
+                workers.append(state)
         self._workers, self._read_at, self._routed = workers, time.monotonic(), Counter()
         self._metrics.fleet_copies(routing.copies(workers))
 

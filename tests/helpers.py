@@ -8,6 +8,7 @@ import os
 import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -24,6 +25,8 @@ from contracts.keys import WORKERS_INDEX, job_key, worker_key
 from contracts.queues import Tier
 from contracts.registry import AdapterRecord
 from lorafleet.client import JobsClient
+from lorafleet.publish import Publisher
+from lorafleet.registry import Registry
 from lorafleet.stack import LocalStack
 
 
@@ -176,3 +179,27 @@ def assert_engine_drains(redis: Redis, timeout_s: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, f"the engine still holds requests: {beat}"
         time.sleep(0.1)
+
+
+def terminal_events(pubsub: Any, quiet_s: float = 1.0) -> Counter[str]:
+    """Job ids published on the job-events channel until it stays quiet for ``quiet_s``."""
+    seen: Counter[str] = Counter()
+    quiet_until = time.monotonic() + quiet_s
+    while time.monotonic() < quiet_until:
+        message = pubsub.get_message(timeout=0.1)
+        if message is not None and message["type"] == "message":
+            seen[str(message["data"])] += 1
+            quiet_until = time.monotonic() + quiet_s
+    return seen
+
+
+def fixture_publisher(registry: Registry, infra: LocalStack, fixtures_dir: Path) -> Publisher:
+    """The fixture model's publisher, into ``registry`` and the session's bucket."""
+    return Publisher(
+        base_dir=fixtures_dir / "base",
+        base_model_id=str(fixtures_dir / "base"),
+        limits=infra.settings.limits,
+        registry=registry,
+        s3=infra.s3(),
+        bucket=infra.settings.s3_bucket,
+    )

@@ -40,7 +40,7 @@ from contracts.keys import (
     routed_key,
     worker_key,
 )
-from contracts.queues import QUEUE_PREFIX, Tier, queue_for
+from contracts.queues import Tier, queue_for
 from contracts.task_messages import accepted_at
 from worker.background import Periodic
 
@@ -111,28 +111,21 @@ return 0
 def hand_back(redis: Redis, worker_id: str, limit: int = 0) -> int:
     """Move the ``limit`` oldest jobs (0: all) of ``worker_id``'s own queue back to their
     tiers' shared queues, in one script; how many moved."""
-    moved = redis.eval(
-        routing.HANDBACK,
-        2,
-        routing.worker_queue(worker_id),
-        routed_key(worker_id),
-        *routing.handback_args(limit, queue_for(Tier.HOT)),
+    moved = redis.register_script(routing.HANDBACK)(
+        keys=[routing.worker_queue(worker_id), routed_key(worker_id)],
+        args=routing.handback_args(limit, queue_for(Tier.HOT)),
     )
-    return int(moved)  # type: ignore[arg-type]
+    return int(moved)
 
 
 def recover(redis: Redis, worker_id: str) -> int:
     """For a worker that is gone, after its queue was handed back: push again the message of
     every job routed to it that no worker received (``routing.RECOVER``); how many."""
-    pushed = redis.eval(
-        routing.RECOVER,
-        1,
-        routed_key(worker_id),
-        job_key(""),
-        queue_for(Tier.HOT),
-        QUEUE_PREFIX,
+    fallback, prefix, worker_prefix = routing.handback_args(0, queue_for(Tier.HOT))[1:]
+    pushed = redis.register_script(routing.RECOVER)(
+        keys=[routed_key(worker_id)], args=[job_key(""), fallback, prefix, worker_prefix]
     )
-    return int(pushed)  # type: ignore[arg-type]
+    return int(pushed)
 
 
 class QueueKeeper(Periodic):

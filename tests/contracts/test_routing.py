@@ -39,7 +39,6 @@ def _worker(
     return WorkerState(
         slots=4,
         worker_id=name,
-        queue=routing.worker_queue(name),
         base_model=base,
         queues=frozenset(queue_for(tier) for tier in Tier),
         concurrency=concurrency,
@@ -120,7 +119,6 @@ def test_only_workers_of_the_base_model_and_tier_are_routed_to() -> None:
     d = _digest(3)
     cold_only = WorkerState(
         worker_id="cold",
-        queue=routing.worker_queue("cold"),
         base_model=BASE,
         queues=frozenset({queue_for(Tier.COLD)}),
         concurrency=8,

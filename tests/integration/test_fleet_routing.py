@@ -36,6 +36,7 @@ from lorafleet.publish import Publisher
 from lorafleet.settings import LocalSettings
 from lorafleet.stack import LocalStack
 from lorafleet.validation import ADAPTER_FILES
+from tests.helpers import terminal_events
 from tests.oracle import PeftOracle
 
 ADAPTERS_PER_PHASE = 12
@@ -224,17 +225,6 @@ def _check_tokens(jobs: list[JobPublic], oracle: PeftOracle, fleet: RoutedFleet)
         assert seen <= expected, f"{alias}: {seen} not among its PEFT references {expected}"
 
 
-def _events(pubsub: Any, quiet_s: float = 2.0) -> Counter[str]:
-    seen: Counter[str] = Counter()
-    quiet_until = time.monotonic() + quiet_s
-    while time.monotonic() < quiet_until:
-        message = pubsub.get_message(timeout=0.1)
-        if message is not None and message["type"] == "message":
-            seen[str(message["data"])] += 1
-            quiet_until = time.monotonic() + quiet_s
-    return seen
-
-
 def test_routing_bounds_each_adapters_fetches_where_a_shared_queue_fetches_it_everywhere(
     fleet: RoutedFleet, fixtures_dir: Path
 ) -> None:
@@ -289,7 +279,7 @@ def test_a_worker_killed_mid_run_loses_nothing_and_runs_nothing_twice(
     (victim,) = killed
     fleet.workers.pop(victim).process.wait(timeout=10)
     _check_tokens(jobs, oracle, fleet)
-    events = _events(pubsub)
+    events = terminal_events(pubsub, quiet_s=2.0)
     pubsub.close()
     assert all(events[job_id] == 1 for job_id in ids), {i: events[i] for i in ids}
     # Nothing finished on the dead worker after its death.

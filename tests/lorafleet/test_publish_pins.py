@@ -23,6 +23,7 @@ from lorafleet.publish import Publisher
 from lorafleet.registry import Registry, RegistryError
 from lorafleet.stack import LocalStack
 from lorafleet.validation import ADAPTER_FILES
+from tests.helpers import fixture_publisher
 
 PRIVATE_DB = 5
 
@@ -72,14 +73,7 @@ def test_a_hot_adapter_beyond_the_pools_pins_is_refused_before_anything_is_publi
     private: Redis, infra: LocalStack, fixtures_dir: Path, tmp_path: Path
 ) -> None:
     registry = Registry(private)
-    publisher = Publisher(
-        base_dir=fixtures_dir / "base",
-        base_model_id=str(fixtures_dir / "base"),
-        limits=infra.settings.limits,
-        registry=registry,
-        s3=infra.s3(),
-        bucket=infra.settings.s3_bucket,
-    )
+    publisher = fixture_publisher(registry, infra, fixtures_dir)
     first, second, third, fourth = _adapters(tmp_path, fixtures_dir, 4)
     hot = queue_for(Tier.HOT)
     # Two workers of the pool: the one with 3 slots pins 2, the one with 2 pins 1.

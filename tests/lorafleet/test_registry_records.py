@@ -27,11 +27,10 @@ from contracts.queues import Tier, queue_for
 from contracts.registry import AdapterRecord, UnreadableRecord
 from gateway.app import create_app
 from gateway.config import GatewaySettings
-from lorafleet.publish import Publisher
 from lorafleet.registry import Registry, RegistryError
 from lorafleet.stack import LOCAL_AWS, LocalStack
 from lorafleet.tenants import Tenants
-from tests.helpers import job_records
+from tests.helpers import fixture_publisher, job_records
 from worker.registry import preload_sets
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +60,7 @@ def registry(private: Redis, infra: LocalStack, fixtures_dir: Path) -> Registry:
     stored under another alias's name, and one missing its digest; channel ``rec-chan``
     points at ``BAD``."""
     registry = Registry(private)
-    publisher = _publisher(registry, infra, fixtures_dir)
+    publisher = fixture_publisher(registry, infra, fixtures_dir)
     good = publisher.publish(fixtures_dir / "adapters" / "lora-02-r4-qv", GOOD, Tier.HOT)
     body = json.loads(good.model_dump_json())
     bad = {
@@ -156,25 +155,13 @@ def test_registry_reports_unreadable_records_and_retires_them(
     assert str(registry.retire(BAD)) == str(bad) and BAD in registry.retired()
 
     # New bytes under an unreadable alias are refused like under any taken alias.
-    publisher = _publisher(registry, infra, fixtures_dir)
+    publisher = fixture_publisher(registry, infra, fixtures_dir)
     stored = registry.stored(BAD)
     with pytest.raises(RegistryError) as caught:
         publisher.publish(fixtures_dir / "adapters" / "lora-06-r4-qv", BAD, Tier.COLD)
     assert caught.value.code == ErrorCode.ALIAS_EXISTS
     assert "unreadable" in caught.value.message
     assert registry.stored(BAD) == stored
-
-
-def _publisher(registry: Registry, infra: LocalStack, fixtures_dir: Path) -> Publisher:
-    """The fixture model's publisher, into ``registry`` and the session's bucket."""
-    return Publisher(
-        base_dir=fixtures_dir / "base",
-        base_model_id=str(fixtures_dir / "base"),
-        limits=infra.settings.limits,
-        registry=registry,
-        s3=infra.s3(),
-        bucket=infra.settings.s3_bucket,
-    )
 
 
 def _cli(infra: LocalStack, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:

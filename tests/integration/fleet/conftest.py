@@ -13,7 +13,6 @@ import signal
 import socket
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -284,18 +283,6 @@ def kill_group(worker: Child) -> None:
     """SIGKILL the worker and its engine: no cleanup at all."""
     os.killpg(worker.pid, signal.SIGKILL)
     worker.process.wait(timeout=10)
-
-
-def terminal_events(pubsub: Any, quiet_s: float = 1.0) -> Counter[str]:
-    """Job ids published on the job-events channel until it stays quiet for ``quiet_s``."""
-    seen: Counter[str] = Counter()
-    quiet_until = time.monotonic() + quiet_s
-    while time.monotonic() < quiet_until:
-        message = pubsub.get_message(timeout=0.1)
-        if message is not None and message["type"] == "message":
-            seen[str(message["data"])] += 1
-            quiet_until = time.monotonic() + quiet_s
-    return seen
 
 
 def worker_record(fleet: Fleet, worker_id: str) -> dict[str, Any] | None:

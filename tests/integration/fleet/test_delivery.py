@@ -16,13 +16,12 @@ from redis.exceptions import RedisError
 
 from contracts.keys import JOB_EVENTS
 from lorafleet.processes import Child
-from tests.helpers import job_when, submit_job
+from tests.helpers import job_when, submit_job, terminal_events
 from tests.integration.fleet.conftest import (
     MAX_ATTEMPTS,
     QUEUE,
     Fleet,
     kill_group,
-    terminal_events,
 )
 
 

@@ -10,14 +10,13 @@ import time
 
 from contracts.keys import JOB_EVENTS, held_key
 from lorafleet.processes import Child
-from tests.helpers import submit_job
+from tests.helpers import submit_job, terminal_events
 from tests.integration.fleet.conftest import (
     MAX_ATTEMPTS,
     QUEUE,
     Fleet,
     StreamingCompletion,
     engine_core,
-    terminal_events,
     worker_record,
 )
 from tests.sentry_server import recording_sentry, sentry_events
