@@ -157,10 +157,17 @@ def test_reset_trials_start_cold_and_the_reversal_moves_the_popular_adapter(
     reset_single = [
         r for r in records if r.cell == started.id and r.trial == "reset" and r.profile == "single"
     ]
-    # after the reset nothing is on the worker: the first request fetched its adapter
+    # after the reset nothing is on the worker: the first request found its adapter remote,
+    # and one download fetched it. Which job timed that download is a race (requests arrive
+    # by a Poisson process; the others wait for it and time no fetch), so count them per reset.
     first = min(reset_single, key=lambda r: r.sent_s or 0)
     assert first.residency_before == "remote"
-    assert first.load_ms.get("fetch") is not None
+    resets = {(r.offered_rate, r.repetition) for r in reset_single}
+    for rate, repetition in resets:
+        one_reset = [r for r in reset_single if (r.offered_rate, r.repetition) == (rate, repetition)]
+        fetched = [r for r in one_reset if r.load_ms.get("fetch") is not None]
+        assert len(fetched) == 1, [(r.seq, r.residency_before, r.load_ms) for r in one_reset]
+        assert fetched[0].residency_before == "remote"
     reversal = next(t for t in started.trials if t.profile == "reversal")
     assert reversal.popular_before != reversal.popular_after
     assert reversal.reversal_at_s is not None
