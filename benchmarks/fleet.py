@@ -113,7 +113,7 @@ class SimWorker:
             "state": "serving",
             "queue": self.queue,
             "base_model": BASE.model_dump(),
-            "queues": [queue_for(TIER)],
+            "queues": [queue_for(TIER, BASE.digest)],
             "concurrency": self._model.concurrency,
             "max_loras": self._model.max_loras,
             "jobs_running": self.running,
@@ -136,7 +136,7 @@ class SimWorker:
             await self.announce()
 
     async def consumer(self) -> None:
-        queues = [self.queue, queue_for(TIER)]
+        queues = [self.queue, queue_for(TIER, BASE.digest)]
         while True:
             await self._room.wait()
             popped = await self._redis.brpop(queues, timeout=1)  # type: ignore[arg-type]
@@ -294,7 +294,7 @@ async def cell(
     processes: dict[str, psutil.Process],
 ) -> dict[str, Any]:
     redis = Redis.from_url(stack.redis_url, decode_responses=True)
-    for key in (queue_for(TIER), WORKERS_INDEX, WORKER_QUEUES):
+    for key in (queue_for(TIER, BASE.digest), WORKERS_INDEX, WORKER_QUEUES):
         await redis.delete(key)
     # A pool per simulated worker, as each real worker has its own: a blocked BRPOP holds a
     # connection, and a shared pool would starve the announcers.
@@ -337,7 +337,7 @@ async def cell(
         task.cancel()
     for worker in fleet:
         await worker.stop()
-    stranded = int(await redis.llen(queue_for(TIER)))  # type: ignore[misc]
+    stranded = int(await redis.llen(queue_for(TIER, BASE.digest)))  # type: ignore[misc]
     for worker in fleet:
         stranded += int(await redis.llen(worker.queue))  # type: ignore[misc]
         await redis.delete(worker.queue)

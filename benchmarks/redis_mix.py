@@ -48,7 +48,7 @@ from contracts.keys import (
     job_key,
     tenant_key,
 )
-from contracts.queues import ALL_QUEUES, Tier, queue_for
+from contracts.queues import Tier, pool_queues, queue_for
 from contracts.registry import AdapterRecord, BaseModelRef
 from contracts.tenants import ALL_ADAPTERS, ApiKeyRecord, TenantRecord
 from gateway.access import _PREFIXES as ACCESS_PREFIXES
@@ -68,7 +68,12 @@ PARTS = {
 }
 KOMBU_PRIORITIES = (0, 3, 6, 9)  # kombu's Redis transport: a list per queue and priority step
 KOMBU_SEP = "\x06\x16"
-KOMBU_QUEUES = [q if p == 0 else f"{q}{KOMBU_SEP}{p}" for p in KOMBU_PRIORITIES for q in ALL_QUEUES]
+BASE_DIGEST = "sha256:" + "b" * 64
+KOMBU_QUEUES = [
+    q if p == 0 else f"{q}{KOMBU_SEP}{p}"
+    for p in KOMBU_PRIORITIES
+    for q in pool_queues(BASE_DIGEST)
+]
 TTL_S = 7 * 24 * 3600  # job records, as the services keep them
 DEADLINE_S = 600.0
 LEASE_TTL_S = 60.0
@@ -132,7 +137,7 @@ class Fixture:
     def __init__(self, redis: Redis) -> None:
         now = datetime.now(tz=UTC)
         self.key_hash = hashlib.sha256(b"lf_bench_secret").hexdigest()
-        self.base = BaseModelRef(id="meta-llama/Llama-3.1-8B-Instruct", digest="b" * 64)
+        self.base = BaseModelRef(id="meta-llama/Llama-3.1-8B-Instruct", digest=BASE_DIGEST)
         self.record = AdapterRecord(
             alias=self.ALIAS,
             digest="a" * 64,
@@ -144,7 +149,7 @@ class Fixture:
             tier=Tier.HOT,
             created_at=now,
         )
-        self.queue = queue_for(self.record.tier)
+        self.queue = queue_for(self.record.tier, self.base.digest)
         redis.set(
             api_key_key(self.key_hash),
             ApiKeyRecord(key_id="k1", tenant=self.TENANT, created_at=now).model_dump_json(),

@@ -38,6 +38,7 @@ from celery import Celery
 from rich.console import Console
 from rich.table import Table
 
+from contracts.digests import manifest_of
 from contracts.queues import Tier, queue_for
 from lorafleet.client import auth_headers
 from lorafleet.fixtures import write_fixtures
@@ -58,7 +59,6 @@ WORDS = [
     "review",
 ]
 NEW_TOKENS = 64
-QUEUE = queue_for(Tier.COLD)  # the adapters are published cold
 # Both paths get these explicitly: left unset, vLLM picks different batch limits for its
 # offline ``LLM`` class (CPU: 256 sequences, 4,096 tokens a step) than for a server (128, 2,048).
 ENGINE = {
@@ -238,6 +238,7 @@ async def pipeline(
     pids = {child.name: child.pid for child in stack.children if child.name != "s3"}
     pids["client"] = os.getpid()
     control = Celery(broker=stack.redis_url).control
+    cold = queue_for(Tier.COLD, manifest_of(stack.model).digest())  # the adapters are cold
     connector = aiohttp.TCPConnector(limit=len(work))
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(
@@ -266,7 +267,7 @@ async def pipeline(
             ):
                 if go is None:
                     # limit=1: return at the (single) worker's reply, not the timeout.
-                    assert control.cancel_consumer(QUEUE, reply=True, timeout=10, limit=1)
+                    assert control.cancel_consumer(cold, reply=True, timeout=10, limit=1)
                     batch_id = await load.create_batch(work)
                     first = await load.first_job(batch_id)
 
@@ -276,7 +277,7 @@ async def pipeline(
                         # The clock starts when the worker has started the first job: a
                         # consumer told to resume sees the queue only once its blocking
                         # receive (kombu's BRPOP, 1 s) returns, which steady work never waits.
-                        assert control.add_consumer(QUEUE, reply=True, timeout=10, limit=1)
+                        assert control.add_consumer(cold, reply=True, timeout=10, limit=1)
                         await load.started(first)
                         clock.restart()
                         return await load.batch_tokens(batch_id)

@@ -1,4 +1,7 @@
-"""Admission ledger: how many jobs are admitted and unfinished, per tier and per tenant.
+"""Admission ledger: how many jobs are admitted and unfinished, per pool queue and per tenant.
+
+A pool queue is one tier of one base model's pool (``contracts.queues.queue_for``): its
+ledger is what the tier's limit holds and what its pool scales on.
 
 Each ledger is a sorted set ``job id -> expiry`` (unix seconds). Admission (``ADMIT``) checks
 every limit and, only if all pass, records the job in both ledgers, takes a token from the
@@ -28,12 +31,12 @@ from contracts.keys import (
     batch_jobs_key,
     batch_key,
     job_key,
+    queue_ledger_key,
     rate_key,
     routed_key,
     tenant_ledger_key,
-    tier_ledger_key,
 )
-from contracts.queues import Tier, queue_for
+from contracts.queues import Tier
 
 LEDGER_GRACE_S = 60.0
 """A job still unfinished this long after its deadline no longer counts against limits."""
@@ -146,7 +149,7 @@ class Verdict:
 
 
 def ledger_keys(job: JobPublic) -> list[str]:
-    return [tier_ledger_key(job.tier.value), tenant_ledger_key(job.tenant)]
+    return [queue_ledger_key(job.queue), tenant_ledger_key(job.tenant)]
 
 
 def admit_call(
@@ -160,12 +163,12 @@ def admit_call(
 ) -> tuple[list[str], list[str | int | float]]:
     """``(keys, args)`` of ``ADMIT`` for a new ``job`` (its record is written if admitted);
     ``expires_at`` is its deadline + ``LEDGER_GRACE_S``. ``message``, if given, is pushed
-    in the same step onto ``queue`` (default: the job's tier queue). ``routed``: ``(worker
+    in the same step onto ``queue`` (default: the job's pool queue). ``routed``: ``(worker
     id, message)`` of a job routed to that worker's own queue (``routed_key``)."""
     if message is None:
         queue = NO_KEY
     elif queue is None:
-        queue = queue_for(job.tier)
+        queue = job.queue
     index = routed_key(routed[0]) if routed else NO_KEY
     keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id), DEADLINES, queue, index]
     args: list[str | int | float] = [
@@ -207,14 +210,14 @@ ADMIT_BATCH = (
     + TAKE_TOKEN_LUA
     + _WITHDRAWN_LUA
     + """
--- KEYS: 1 tenant ledger, 2 rate bucket, 3 batch hash, 4 batch lines, 5..7 tier ledgers
--- (hot, warm, cold), 8 deadline index, 9..11 tier queues (or a placeholder; not used here),
--- 12.. one job key per job, then the queue of each job's message (its tier's, or the own
--- queue of the worker it was routed to), then each job's routed index (``routed_key``).
--- ARGV: 1 tenant max, 2 rate, 3 burst, 4..6 tier maxima, 7 expiry, 8 ttl, 9 batch record,
--- 10 batch webhook url, 11 tenant, 12 total, 13 deadline (expiry - grace), then per job: id,
--- tier index (0..2), record, line, queue message ('' if published elsewhere), message kept
--- for a routed job ('' if not routed).
+-- KEYS: 1 tenant ledger, 2 rate bucket, 3 batch hash, 4 batch lines, 5 deadline index,
+-- 6..5+L the ledgers of the L pool queues the batch's jobs go to, then one job key per job,
+-- the queue of each job's message (its pool queue, or the own queue of the worker it was
+-- routed to), then each job's routed index (``routed_key``).
+-- ARGV: 1 tenant max, 2 rate, 3 burst, 4 expiry, 5 ttl, 6 batch record, 7 batch webhook url,
+-- 8 tenant, 9 total, 10 deadline (expiry - grace), 11 L, 12..11+L each ledger's maximum,
+-- then per job: id, ledger index (0..L-1), record, line, queue message ('' if published
+-- elsewhere), message kept for a routed job ('' if not routed).
 -- Run again (a client retrying after its reply was lost): admitted already, and only once;
 -- or withdrawn meanwhile (this copy waited in Redis's input after its caller gave up).
 if redis.call('HEXISTS', KEYS[3], WITHDRAWN) == 1 then return {'withdrawn', '0'} end
@@ -222,19 +225,22 @@ if redis.call('EXISTS', KEYS[3]) == 1 then return {'admitted', '0'} end
 local STRIDE = 6
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local tiers = {KEYS[5], KEYS[6], KEYS[7]}
+local L = tonumber(ARGV[11])
+local total = tonumber(ARGV[9])
+local JOBS = 6 + L       -- KEYS index of the first job key
+local FIRST = 12 + L     -- ARGV index of the first job's fields
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local wanted = {0, 0, 0}
-local total = tonumber(ARGV[12])
+local wanted = {}
+for l = 1, L do wanted[l] = 0 end
 for i = 0, total - 1 do
-  local tier = tonumber(ARGV[14 + i * STRIDE + 1]) + 1
-  wanted[tier] = wanted[tier] + 1
+  local l = tonumber(ARGV[FIRST + i * STRIDE + 1]) + 1
+  wanted[l] = wanted[l] + 1
 end
-for tier = 1, 3 do
-  if wanted[tier] > 0 then
-    redis.call('ZREMRANGEBYSCORE', tiers[tier], '-inf', now)
-    if redis.call('ZCARD', tiers[tier]) + wanted[tier] > tonumber(ARGV[3 + tier]) then
-      return {'tier', tostring(tier - 1)}
+for l = 1, L do
+  if wanted[l] > 0 then
+    redis.call('ZREMRANGEBYSCORE', KEYS[5 + l], '-inf', now)
+    if redis.call('ZCARD', KEYS[5 + l]) + wanted[l] > tonumber(ARGV[11 + l]) then
+      return {'tier', tostring(l - 1)}
     end
   end
 end
@@ -242,38 +248,39 @@ if redis.call('ZCARD', KEYS[1]) + total > tonumber(ARGV[1]) then return {'tenant
 local wait = take_token(KEYS[2], tonumber(ARGV[2]), tonumber(ARGV[3]), now)
 if wait then return {'rate', tostring(wait)} end
 for i = 0, total - 1 do
-  local base = 14 + i * STRIDE
-  local id, tier = ARGV[base], tonumber(ARGV[base + 1]) + 1
-  redis.call('ZADD', tiers[tier], ARGV[7], id)
-  redis.call('ZADD', KEYS[1], ARGV[7], id)
-  redis.call('ZADD', KEYS[8], ARGV[13], id)
-  redis.call('HSET', KEYS[12 + i], 'status', 'queued', 'record', ARGV[base + 2], 'attempts', 0)
+  local base = FIRST + i * STRIDE
+  local id, l = ARGV[base], tonumber(ARGV[base + 1]) + 1
+  redis.call('ZADD', KEYS[5 + l], ARGV[4], id)
+  redis.call('ZADD', KEYS[1], ARGV[4], id)
+  redis.call('ZADD', KEYS[5], ARGV[10], id)
+  redis.call('HSET', KEYS[JOBS + i], 'status', 'queued', 'record', ARGV[base + 2], 'attempts', 0)
   if ARGV[base + 5] ~= '' then
-    redis.call('HSET', KEYS[12 + i], 'message', ARGV[base + 5])
-    local index = KEYS[12 + 2 * total + i]
+    redis.call('HSET', KEYS[JOBS + i], 'message', ARGV[base + 5])
+    local index = KEYS[JOBS + 2 * total + i]
     redis.call('ZREMRANGEBYSCORE', index, '-inf', now)
-    redis.call('ZADD', index, ARGV[13], id)
+    redis.call('ZADD', index, ARGV[10], id)
   end
-  redis.call('EXPIRE', KEYS[12 + i], ARGV[8])
+  redis.call('EXPIRE', KEYS[JOBS + i], ARGV[5])
   redis.call('RPUSH', KEYS[4], ARGV[base + 3])
-  if ARGV[base + 4] ~= '' then redis.call('LPUSH', KEYS[12 + total + i], ARGV[base + 4]) end
+  if ARGV[base + 4] ~= '' then redis.call('LPUSH', KEYS[JOBS + total + i], ARGV[base + 4]) end
 end
-redis.call('HSET', KEYS[3], 'record', ARGV[9], 'tenant', ARGV[11], 'total', total,
+redis.call('HSET', KEYS[3], 'record', ARGV[6], 'tenant', ARGV[8], 'total', total,
            'finished', 0, 'succeeded', 0, 'failed', 0, 'cancelled', 0)
-if ARGV[10] ~= '' then redis.call('HSET', KEYS[3], 'webhook', ARGV[10]) end
-redis.call('EXPIRE', KEYS[3], ARGV[8])
-redis.call('EXPIRE', KEYS[4], ARGV[8])
+if ARGV[7] ~= '' then redis.call('HSET', KEYS[3], 'webhook', ARGV[7]) end
+redis.call('EXPIRE', KEYS[3], ARGV[5])
+redis.call('EXPIRE', KEYS[4], ARGV[5])
 return {'admitted', '0'}
 """
 )
-"""Admit every job of a batch or none: each tier's and the tenant's limit must hold them
+"""Admit every job of a batch or none: each pool queue's and the tenant's limit must hold them
 all; the batch takes one token of the rate bucket (it is one request). When the queues
 live in the same Redis, the jobs' messages are pushed in the same step, in order."""
 
 WITHDRAW_BATCH = (
     _WITHDRAWN_LUA
     + """
--- KEYS: as ADMIT_BATCH's. ARGV: 1 burst, 2 tombstone ttl (s), 3.. job ids.
+-- KEYS: as ADMIT_BATCH's (up to the job keys). ARGV: 1 burst, 2 tombstone ttl (s), 3 L (pool
+-- ledgers), 4.. job ids.
 local admitted = redis.call('EXISTS', KEYS[3]) == 1
   and redis.call('HEXISTS', KEYS[3], WITHDRAWN) == 0
 -- The batch's key becomes a tombstone, so that an ADMIT_BATCH still on its way is refused.
@@ -281,11 +288,12 @@ redis.call('DEL', KEYS[3])
 redis.call('HSET', KEYS[3], WITHDRAWN, 1)
 redis.call('EXPIRE', KEYS[3], ARGV[2])
 if not admitted then return 0 end
-for i = 3, #ARGV do
+local L = tonumber(ARGV[3])
+for i = 4, #ARGV do
   redis.call('ZREM', KEYS[1], ARGV[i])
-  for tier = 5, 7 do redis.call('ZREM', KEYS[tier], ARGV[i]) end
-  redis.call('ZREM', KEYS[8], ARGV[i])
-  redis.call('DEL', KEYS[9 + i])
+  for l = 1, L do redis.call('ZREM', KEYS[5 + l], ARGV[i]) end
+  redis.call('ZREM', KEYS[5], ARGV[i])
+  redis.call('DEL', KEYS[6 + L + i - 4])
 end
 redis.call('DEL', KEYS[4])
 if redis.call('EXISTS', KEYS[2]) == 1 then
@@ -310,17 +318,20 @@ class BatchLimits:
     tier_max: dict[Tier, int]
 
 
-def _batch_keys(
-    batch_id: str, tenant: str, jobs: list[JobPublic], queues: bool = False
-) -> list[str]:
+def batch_queues(jobs: list[JobPublic]) -> list[str]:
+    """The pool queues of a batch's jobs, each once, in the order they first appear: the
+    ledgers ``ADMIT_BATCH`` checks and writes."""
+    return list(dict.fromkeys(job.queue for job in jobs))
+
+
+def _batch_keys(batch_id: str, tenant: str, jobs: list[JobPublic]) -> list[str]:
     return [
         tenant_ledger_key(tenant),
         rate_key(tenant),
         batch_key(batch_id),
         batch_jobs_key(batch_id),
-        *(tier_ledger_key(tier.value) for tier in TIER_ORDER),
         DEADLINES,
-        *(queue_for(tier) if queues else NO_KEY for tier in TIER_ORDER),
+        *(queue_ledger_key(queue) for queue in batch_queues(jobs)),
         *(job_key(job.id) for job in jobs),
     ]
 
@@ -337,14 +348,15 @@ def admit_batch_call(
     routed: list[tuple[str, str] | None] | None = None,
 ) -> tuple[list[str], list[str | int | float]]:
     """``(keys, args)`` of ``ADMIT_BATCH``; ``messages`` (one per job, in order), if given,
-    are pushed in the same step onto ``queues`` (one per job; default: each job's tier
+    are pushed in the same step onto ``queues`` (one per job; default: each job's pool
     queue). ``routed``: per job, ``(worker id, message)`` if routed to that worker's own
-    queue (``admit_call``)."""
+    queue (``admit_call``). Each pool queue holds at most its tier's ``limits.tier_max``."""
+    ledgers = batch_queues(jobs)
+    tier_of = {job.queue: job.tier for job in jobs}
     args: list[str | int | float] = [
         limits.tenant_max,
         repr(limits.rate_per_s),
         limits.burst,
-        *(limits.tier_max[tier] for tier in TIER_ORDER),
         repr(expires_at),
         ttl_s,
         batch.model_dump_json(),
@@ -352,20 +364,22 @@ def admit_batch_call(
         batch.tenant,
         len(jobs),
         repr(expires_at - LEDGER_GRACE_S),
+        len(ledgers),
+        *(limits.tier_max[tier_of[queue]] for queue in ledgers),
     ]
     pushed: list[str] = [""] * len(jobs) if messages is None else messages
     kept = routed if routed is not None else [None] * len(jobs)
     for job, line, message, route in zip(jobs, lines, pushed, kept, strict=True):
         args += [
             job.id,
-            TIER_ORDER.index(job.tier),
+            ledgers.index(job.queue),
             job.model_dump_json(),
             line.model_dump_json(),
             message,
             route[1] if route else "",
         ]
-    keys = _batch_keys(batch.id, batch.tenant, jobs, messages is not None)
-    keys += queues if queues is not None else [queue_for(job.tier) for job in jobs]
+    keys = _batch_keys(batch.id, batch.tenant, jobs)
+    keys += queues if queues is not None else [job.queue for job in jobs]
     keys += [routed_key(route[0]) if route else NO_KEY for route in kept]
     return keys, args
 
@@ -373,13 +387,14 @@ def admit_batch_call(
 def withdraw_batch_call(
     batch: BatchRecord, jobs: list[JobPublic], burst: int
 ) -> tuple[list[str], list[str | int | float]]:
-    args: list[str | int | float] = [burst, WITHDRAWN_TTL_S, *(job.id for job in jobs)]
+    ledgers = len(batch_queues(jobs))
+    args: list[str | int | float] = [burst, WITHDRAWN_TTL_S, ledgers, *(job.id for job in jobs)]
     return _batch_keys(batch.id, batch.tenant, jobs), args
 
 
-def batch_verdict(reply: list[str]) -> tuple[Verdict, Tier | None]:
-    """The verdict, and for a tier refusal the tier that had no room."""
+def batch_verdict(reply: list[str], jobs: list[JobPublic]) -> tuple[Verdict, str | None]:
+    """The verdict, and for a tier refusal the pool queue that had no room."""
     kind = str(reply[0])
     if kind == "tier":
-        return Verdict(Refusal.TIER), TIER_ORDER[int(reply[1])]
+        return Verdict(Refusal.TIER), batch_queues(jobs)[int(reply[1])]
     return verdict(reply), None

@@ -48,10 +48,10 @@ from contracts.keys import (
     held_key,
     job_key,
     lease_key,
+    queue_ledger_key,
     routed_key,
     stream_key,
     tenant_ledger_key,
-    tier_ledger_key,
     webhook_event_key,
 )
 from contracts.webhooks import batch_event_id, job_event_id
@@ -298,7 +298,7 @@ def advance_call(
         job_key(job.id),
         JOB_EVENTS,
         JOB_CANCELS,
-        tier_ledger_key(job.tier.value),
+        queue_ledger_key(job.queue),
         tenant_ledger_key(job.tenant),
         webhook_event_key(job_event_id(job.id)) if job.webhook else NO_KEY,
         WEBHOOKS_DUE,

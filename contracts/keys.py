@@ -80,6 +80,17 @@ def routed_key(worker_id: str) -> str:
     return f"{PREFIX}:routed:{worker_id}"
 
 
+REGISTRY_VERSION = f"{PREFIX}:registry-version"
+"""Counter bumped by every registry change that can change which adapters are hot (a
+publish, a retirement): workers read it every ``LORAFLEET_PIN_CHECK_S`` to pin or unpin live.
+Permanent, like the registry."""
+
+POOLS = f"{PREFIX}:pools"
+"""Hash ``pool id -> BaseModelRef JSON`` of every base model an adapter was published for or
+a worker served (``contracts.queues.pool_id``): the pools whose queues the gateways report
+(``GET /metrics``, ``GET /v1/fleet``), even before a worker of the pool has started.
+Permanent, like the registry."""
+
 WORKERS_INDEX = f"{PREFIX}:workers"
 """Set of the ids (``host:pid:boot``) of workers that have announced themselves."""
 
@@ -113,9 +124,10 @@ def grants_key(tenant: str) -> str:
     return f"{PREFIX}:grants:{tenant}"
 
 
-def tier_ledger_key(tier: str) -> str:
-    """Sorted set ``job id -> expiry`` of the jobs a tier has admitted and not finished."""
-    return f"{PREFIX}:ledger:tier:{tier}"
+def queue_ledger_key(queue: str) -> str:
+    """Sorted set ``job id -> expiry`` of the jobs admitted to a pool queue (one tier of one
+    base model's pool, ``contracts.queues.queue_for``) and not finished."""
+    return f"{PREFIX}:ledger:queue:{queue}"
 
 
 def tenant_ledger_key(tenant: str) -> str:

@@ -4,12 +4,13 @@ Workers publish what they hold, per adapter digest and level, and their load (th
 announcement, ``worker.runtime``: at least every second, and soon after a change). Each
 gateway keeps the fleet's announcements in memory (``gateway.routing``, refreshed every
 ``LORAFLEET_ROUTE_REFRESH_S``), so routing costs an admission no Redis round trip: the
-admission script pushes the job's message onto the queue chosen here instead of the tier's.
+admission script pushes the job's message onto the queue chosen here instead of the pool's.
 
 For a job of adapter ``D`` (base model ``B``, tier ``T``), the *pool* is the serving workers of
-``B`` that take ``T``; a worker is *overloaded* when its outstanding jobs (running, waiting in
-its own queue, and routed to it by this gateway since the last refresh) reach
-``LORAFLEET_ROUTE_OVERLOAD_RATIO`` x its concurrency. Then:
+``B`` that take ``T``: the consumers of the pool queue ``lorafleet.<T>.<pool id of B>``
+(``contracts.queues``), which only workers serving ``B`` take from. A worker is *overloaded*
+when its outstanding jobs (running, waiting in its own queue, and routed to it by this
+gateway since the last refresh) reach ``LORAFLEET_ROUTE_OVERLOAD_RATIO`` x its concurrency. Then:
 
 1. **resident**: a worker of the pool that holds ``D`` (pinned > registered in the engine >
    on disk), not overloaded, least loaded among those of the best level: its own queue.
@@ -20,8 +21,8 @@ its own queue, and routed to it by this gateway since the last refresh) reach
    so concurrent first misses for an adapter make one copy (two at most), not one per
    worker, and a worker joining or leaving moves only adapters it ranks high for.
 3. **shared**: otherwise (every holder overloaded and the copies at the cap, nobody to place
-   on, no fresh view of the fleet, or a pool of one worker that the shared queue reaches
-   alone): the tier's queue, which every worker of the tier takes from.
+   on, no fresh view of the fleet, or a pool of one worker that the pool queue reaches
+   alone): the pool queue, which every worker of the pool takes from.
 
 A copy is a worker holding ``D`` at any level, disk included: a copy on disk costs no S3 GET to
 load. The cap bounds copies made by routing; a job from the shared queue may still make one
@@ -87,7 +88,7 @@ class WorkerState:
     base_model: str
     """Digest of the base model it serves."""
     queues: frozenset[str]
-    """Tier queues it takes from."""
+    """Pool queues it takes from (``contracts.queues.queue_for``)."""
     concurrency: int
     outstanding: int
     """Jobs running on it plus jobs waiting in its own queue."""
@@ -124,18 +125,17 @@ def overloaded(worker: WorkerState, extra: int, policy: Policy) -> bool:
 def choose(
     workers: Sequence[WorkerState],
     base_model: str,
-    tier_queue: str,
+    pool_queue: str,
     digest: str,
     policy: Policy,
     routed_since: Mapping[str, int] | None = None,
 ) -> Route:
-    """Where a job of ``digest`` (base model ``base_model``, tier queue ``tier_queue``) goes.
+    """Where a job of ``digest`` (base model ``base_model``, pool queue ``pool_queue``) goes.
     ``routed_since``: jobs this gateway routed to each worker since ``workers`` was read."""
     extra = routed_since or {}
-    takers = [w for w in workers if tier_queue in w.queues]
-    pool = [w for w in takers if w.base_model == base_model]
-    if not pool or (len(pool) == 1 and len(takers) == 1):
-        return SHARED  # nobody to route to, or the shared queue reaches the pool's only worker
+    pool = [w for w in workers if pool_queue in w.queues and w.base_model == base_model]
+    if len(pool) <= 1:
+        return SHARED  # nobody to route to, or the pool queue reaches its only worker
 
     def free(worker: WorkerState) -> bool:
         return not overloaded(worker, extra.get(worker.worker_id, 0), policy)
@@ -183,7 +183,7 @@ def copies(workers: Sequence[WorkerState]) -> dict[str, int]:
 
 
 _TARGET_LUA = """
--- The shared queue a job message goes back to: the one its envelope names (its tier's,
+-- The shared queue a job message goes back to: the one its envelope names (its pool queue,
 -- where kombu restores it too), or ``fallback`` for a message whose own cannot be read.
 -- Also the job id its envelope carries (or nil).
 local function target_of(message, fallback, queue_prefix, worker_prefix)

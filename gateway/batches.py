@@ -227,11 +227,15 @@ def _check_admissible(tenant: str, jobs: list[JobPublic], limits: admission.Batc
     why = None
     if len(jobs) > limits.tenant_max:
         why = f"tenant {tenant!r} may hold {limits.tenant_max} unfinished jobs"
-    for tier in admission.TIER_ORDER:
-        wanted = sum(job.tier == tier for job in jobs)
+    for queue in admission.batch_queues(jobs):
+        tier = next(job.tier for job in jobs if job.queue == queue)
+        wanted = sum(job.queue == queue for job in jobs)
         if why is None and wanted > limits.tier_max[tier]:
             most = limits.tier_max[tier]
-            why = f"{wanted} of them are for the {tier.value} tier, which holds at most {most}"
+            why = (
+                f"{wanted} of them are for the {tier.value} tier of one base model (queue "
+                f"{queue}), which holds at most {most}"
+            )
     if why is not None:
         raise ApiError(
             422,
@@ -396,10 +400,11 @@ class Batches:
                 ],
             )
             reply = await self._admit_script(keys=keys, args=args)
-            verdict, tier = admission.batch_verdict(reply)
+            verdict, full = admission.batch_verdict(reply, jobs)
             if verdict.refusal is None:
                 return
-            wanted = len(jobs) if tier is None else sum(job.tier == tier for job in jobs)
+            tier = next((job.tier for job in jobs if job.queue == full), None)
+            wanted = len(jobs) if full is None else sum(job.queue == full for job in jobs)
             raise refusal_error(
                 verdict,
                 admission.Limits(

@@ -31,13 +31,19 @@ class GatewaySettings(ServiceSettings):
         default=1024 * 1024, ge=1024, description="Largest request body; larger is 413."
     )
     max_admitted_hot: int = Field(
-        default=10_000, ge=1, description="Jobs the hot tier holds admitted and unfinished."
+        default=10_000,
+        ge=1,
+        description="Jobs the hot tier of each pool (base model) holds admitted and unfinished.",
     )
     max_admitted_warm: int = Field(
-        default=5_000, ge=1, description="Jobs the warm tier holds admitted and unfinished."
+        default=5_000,
+        ge=1,
+        description="Jobs the warm tier of each pool (base model) holds admitted and unfinished.",
     )
     max_admitted_cold: int = Field(
-        default=2_000, ge=1, description="Jobs the cold tier holds admitted and unfinished."
+        default=2_000,
+        ge=1,
+        description="Jobs the cold tier of each pool (base model) holds admitted and unfinished.",
     )
     tenant_max_concurrent: int = Field(
         default=1_000, ge=1, description="Default per-tenant limit on unfinished jobs."

@@ -1,15 +1,17 @@
-"""Fleet state for operators and autoscalers (``GET /v1/fleet``), read from Redis: per tier,
-its queue, its admitted jobs, the workers consuming it, and how many workers it should have.
+"""Fleet state for operators and autoscalers (``GET /v1/fleet``), read from Redis: per pool
+queue (one tier of one base model's pool), its admitted jobs, the workers consuming it, and
+how many workers it should have.
 
-Recommended replicas per tier::
+Recommended replicas per pool queue::
 
     by_load = ceil(admitted_unfinished / LORAFLEET_FLEET_TARGET_JOBS_PER_WORKER)
     by_age  = workers + 1   if the oldest waiting job is older than
                               LORAFLEET_FLEET_MAX_QUEUE_AGE_S, else 0
     recommended = max(MIN_REPLICAS[tier], by_load, by_age)
 
-The hot pool never goes below one worker; warm and cold scale to zero when idle (the KEDA
-objects in ``infra/k8s`` implement the same rule from queue lengths).
+A hot tier never goes below one worker; warm and cold scale to zero when idle (the KEDA
+objects in ``infra/k8s`` scale on the same ledger, exported as
+``lorafleet_admitted_unfinished{tier, pool, base_model}``).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from collections import Counter
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
-from contracts.queues import Tier, queue_for
+from contracts.queues import Tier
+from contracts.registry import BaseModelRef
 from gateway.config import GatewaySettings
+from gateway.pool_state import queue_states
 from gateway.routing import announcements
-from gateway.tier_state import tier_states
 
 MIN_REPLICAS = {Tier.HOT: 1, Tier.WARM: 0, Tier.COLD: 0}
 
@@ -47,6 +50,10 @@ class WorkerView(BaseModel):
 
 
 class TierView(BaseModel):
+    """One tier of one base model's pool."""
+
+    base_model: BaseModelRef
+    pool: str = Field(description="the pool's id: the first 12 hex digits of the base model digest")
     tier: Tier
     queue: str
     queue_depth: int
@@ -64,7 +71,7 @@ class Fleet(BaseModel):
 
 async def fleet(redis: Redis, settings: GatewaySettings) -> Fleet:
     now = time.time()
-    states = await tier_states(redis, now)
+    states = await queue_states(redis, now)
     workers = []
     for record, depth in await announcements(redis):
         running = int(record.get("jobs_running") or 0)
@@ -84,14 +91,17 @@ async def fleet(redis: Redis, settings: GatewaySettings) -> Fleet:
             )
         )
     tiers = []
-    for tier, state in states.items():
-        serving = [w for w in workers if queue_for(tier) in w.queues]
+    for state in states:
+        tier = state.tier
+        serving = [w for w in workers if state.queue in w.queues]
         by_load = math.ceil(state.admitted_unfinished / settings.fleet_target_jobs_per_worker)
         by_age = len(serving) + 1 if state.oldest_waiting_s > settings.fleet_max_queue_age_s else 0
         tiers.append(
             TierView(
+                base_model=state.base_model,
+                pool=state.pool,
                 tier=tier,
-                queue=queue_for(tier),
+                queue=state.queue,
                 queue_depth=state.queue_depth,
                 admitted_unfinished=state.admitted_unfinished,
                 oldest_waiting_s=round(state.oldest_waiting_s, 3),

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from contracts import metrics as names
 from contracts.queues import Tier
-from gateway.tier_state import tier_states
+from gateway.pool_state import queue_states
 
 REGISTRY_RECORDS_INVALID = Counter(
     names.REGISTRY_RECORDS_INVALID,
@@ -62,12 +62,18 @@ class GatewayMetrics:
             ["copies"],
             registry=r,
         )
-        self.queue_depth = Gauge(names.QUEUE_DEPTH, "Jobs waiting.", ["tier"], registry=r)
+        # Per pool queue: a tier of one base model's pool (``pool``: its id, ``base_model``:
+        # the model's name); as many label sets as tiers x base models.
+        queue_labels = ["tier", "pool", "base_model"]
+        self.queue_depth = Gauge(names.QUEUE_DEPTH, "Jobs waiting.", queue_labels, registry=r)
         self.unfinished = Gauge(
-            names.ADMITTED_UNFINISHED, "Jobs admitted, not finished.", ["tier"], registry=r
+            names.ADMITTED_UNFINISHED, "Jobs admitted, not finished.", queue_labels, registry=r
         )
         self.oldest_age = Gauge(
-            names.QUEUE_OLDEST_AGE, "Age of the oldest waiting job, seconds.", ["tier"], registry=r
+            names.QUEUE_OLDEST_AGE,
+            "Age of the oldest waiting job, seconds.",
+            queue_labels,
+            registry=r,
         )
         self._top_adapters = top_adapters
         self._named: set[str] = set()
@@ -96,8 +102,9 @@ class GatewayMetrics:
         self.finished.labels(tier.value, "cancelled", "cancelled").inc()
 
     async def render(self, redis: Redis) -> bytes:
-        for tier, state in (await tier_states(redis, time.time())).items():
-            self.queue_depth.labels(tier.value).set(state.queue_depth)
-            self.unfinished.labels(tier.value).set(state.admitted_unfinished)
-            self.oldest_age.labels(tier.value).set(state.oldest_waiting_s)
+        for state in await queue_states(redis, time.time()):
+            labels = (state.tier.value, state.pool, state.base_model.id)
+            self.queue_depth.labels(*labels).set(state.queue_depth)
+            self.unfinished.labels(*labels).set(state.admitted_unfinished)
+            self.oldest_age.labels(*labels).set(state.oldest_waiting_s)
         return generate_latest(self.registry)

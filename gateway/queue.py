@@ -1,4 +1,4 @@
-"""Job messages onto their tier queues, by task name. Producer only: no worker import, and no
+"""Job messages onto their pool queues, by task name. Producer only: no worker import, and no
 Celery producer either (``contracts.task_messages`` writes what ``send_task`` would).
 
 Where the queues live in the job store's Redis (the default: one URL), the admission script
@@ -22,12 +22,11 @@ from gateway.routing import destination
 def job_message(message: JobMessage) -> str:
     """``message`` as the Celery task message a worker consumes (``lorafleet.run_job``)."""
     summary = f"job {message.job_id} ({message.adapter}, {message.tier.value})"
-    # The tier's queue, also for a message pushed onto a worker's own: kombu restores an
+    # The pool queue, also for a message pushed onto a worker's own: kombu restores an
     # unacknowledged message to the queue its envelope names, so a routed job whose worker
-    # dies comes back to the shared queue, never to the dead worker's.
-    return task_message(
-        RUN_JOB_TASK, message.job_id, queue_for(message.tier), [message.wire()], summary
-    )
+    # dies comes back to the shared queue of its pool, never to the dead worker's.
+    queue = queue_for(message.tier, message.base_model.digest)
+    return task_message(RUN_JOB_TASK, message.job_id, queue, [message.wire()], summary)
 
 
 class JobQueues:

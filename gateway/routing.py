@@ -128,13 +128,18 @@ class FleetRouter(LoopTask):
         self._metrics.fleet_copies(routing.copies(workers))
 
     def route(self, base_model: str, tier: Tier, digest: str) -> Routed | None:
-        """The routing of a job about to be admitted; ``None``: its tier's shared queue
+        """The routing of a job about to be admitted; ``None``: its pool queue
         (``destination`` names the queue either way)."""
         decision = routing.SHARED
         fresh = time.monotonic() - self._read_at <= self._settings.route_view_max_age_s
         if self._enabled and fresh:
             decision = routing.choose(
-                self._workers, base_model, queue_for(tier), digest, self._policy, self._routed
+                self._workers,
+                base_model,
+                queue_for(tier, base_model),
+                digest,
+                self._policy,
+                self._routed,
             )
         self._metrics.routing.labels(tier.value, decision.decision.value).inc()
         if decision.worker is None:
@@ -146,7 +151,7 @@ class FleetRouter(LoopTask):
 
 
 def destination(message: JobMessage) -> str:
-    """The queue a job's message is pushed onto: its worker's own, or its tier's."""
+    """The queue a job's message is pushed onto: its worker's own, or its pool queue."""
     if message.routed is not None:
         return routing.worker_queue(message.routed.worker)
-    return queue_for(message.tier)
+    return queue_for(message.tier, message.base_model.digest)

@@ -350,7 +350,7 @@ class Submitter:
             channel=prepared.resolved.channel,
             revision=record.digest,
             tier=record.tier,
-            queue=queue_for(record.tier),
+            queue=queue_for(record.tier, record.base_model.digest),
             created_at=datetime.fromtimestamp(accepted_at, tz=UTC),
             deadline_at=datetime.fromtimestamp(deadline_at, tz=UTC),
             batch=batch,
@@ -557,7 +557,10 @@ def refusal_error(
     else:
         retry = retry_after_s
         tier_name = tier.value if tier is not None else "its"
-        why = f"the {tier_name} tier may hold {limits.tier_max} unfinished jobs"
+        why = (
+            f"the {tier_name} tier of its base model's pool may hold {limits.tier_max} "
+            "unfinished jobs"
+        )
     return ApiError(
         429,
         admission.REFUSAL_CODES[refusal],

@@ -17,13 +17,15 @@ from contracts.errors import ErrorCode
 from contracts.keys import (
     ADAPTERS_INDEX,
     CHANNELS_INDEX,
+    POOLS,
+    REGISTRY_VERSION,
     RETIRED_INDEX,
     WORKERS_INDEX,
     adapter_key,
     channel_key,
     worker_key,
 )
-from contracts.queues import Tier, queue_for
+from contracts.queues import Tier, pool_id, queue_for
 from contracts.registry import SLUG_PATTERN, AdapterRecord, UnreadableRecord, read_record
 
 Entry = AdapterRecord | UnreadableRecord
@@ -35,6 +37,8 @@ local existing = redis.call('GET', KEYS[1])
 if existing then return {'exists', existing} end
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[2])
+redis.call('HSET', KEYS[4], ARGV[3], ARGV[4])
+redis.call('INCR', KEYS[5])
 return {'ok'}
 """
 
@@ -77,10 +81,23 @@ class Registry:
         self._set_channel = redis.register_script(_SET_CHANNEL)
 
     def register(self, record: AdapterRecord) -> AdapterRecord:
-        """Register ``record``; the same digest again is a no-op, other bytes are refused."""
+        """Register ``record``; the same digest again is a no-op, other bytes are refused.
+        Its base model's pool is recorded (``POOLS``): the gateways report and scale it from
+        then on, before any worker of it has started."""
         outcome = self._register(
-            keys=[adapter_key(record.alias), channel_key(record.alias), ADAPTERS_INDEX],
-            args=[record.model_dump_json(), record.alias],
+            keys=[
+                adapter_key(record.alias),
+                channel_key(record.alias),
+                ADAPTERS_INDEX,
+                POOLS,
+                REGISTRY_VERSION,
+            ],
+            args=[
+                record.model_dump_json(),
+                record.alias,
+                pool_id(record.base_model.digest),
+                record.base_model.model_dump_json(),
+            ],
         )
         status = _text(outcome[0])
         if status == "name_taken":
@@ -134,7 +151,7 @@ class Registry:
             try:
                 worker = json.loads(_text(raw))
                 serves = (worker.get("base_model") or {}).get("digest") == base_digest
-                if serves and queue_for(Tier.HOT) in (worker.get("queues") or ()):
+                if serves and queue_for(Tier.HOT, base_digest) in (worker.get("queues") or ()):
                     slots.append(int(worker["max_loras"]))
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # an announcement of another version: not counted
@@ -156,7 +173,10 @@ class Registry:
         """Stop new admissions for ``alias``; queued jobs keep their revision. An unreadable
         record can be retired too: that is how an operator takes it out of service."""
         entry = self.require(alias)
-        self._redis.sadd(RETIRED_INDEX, alias)
+        pipe = self._redis.pipeline()
+        pipe.sadd(RETIRED_INDEX, alias)
+        pipe.incr(REGISTRY_VERSION)  # live workers unpin it if it was a hot adapter
+        pipe.execute()
         return entry
 
     def set_channel(self, name: str, alias: str) -> str | None:

@@ -21,8 +21,8 @@ from redis import Redis
 
 from contracts.job_records import RECORD_FIELDS, job_of
 from contracts.jobs import JobPublic, JobStatus
-from contracts.keys import WORKERS_INDEX, job_key, worker_key
-from contracts.queues import Tier
+from contracts.keys import WORKERS_INDEX, job_key, queue_ledger_key, worker_key
+from contracts.queues import QUEUE_PREFIX, Tier, queue_for
 from contracts.registry import AdapterRecord
 from lorafleet.client import JobsClient
 from lorafleet.publish import Publisher
@@ -116,10 +116,26 @@ def new_job(**fields: Any) -> JobPublic:
         "revision": "sha256:" + "0" * 64,
         "tenant": "t",
         "tier": Tier.HOT,
-        "queue": "lorafleet.hot",
+        "queue": queue_for(Tier.HOT, "sha256:" + "b" * 64),
         "created_at": datetime.now(tz=UTC),
     }
     return JobPublic(**(defaults | fields))
+
+
+def queued_messages(redis: Redis) -> int:
+    """Messages waiting in every lorafleet queue (pool, worker and webhook queues alike)."""
+    return sum(
+        int(redis.llen(key))  # type: ignore[arg-type]
+        for key in redis.scan_iter(f"{QUEUE_PREFIX}*", _type="list")
+    )
+
+
+def pool_ledger_entries(redis: Redis) -> int:
+    """Entries in every pool queue's admission ledger."""
+    return sum(
+        int(redis.zcard(key))  # type: ignore[arg-type]
+        for key in redis.scan_iter(queue_ledger_key("*"))
+    )
 
 
 def job_records(redis: Redis) -> int:

@@ -12,7 +12,7 @@ import yaml
 from pydantic_settings import BaseSettings
 
 from contracts import metrics
-from contracts.queues import ALL_QUEUES, WEBHOOKS_QUEUE
+from contracts.queues import WEBHOOKS_QUEUE
 from gateway.app import create_app
 from gateway.config import GatewaySettings
 from gateway.fleet import MIN_REPLICAS
@@ -128,7 +128,7 @@ def test_worker_queues_keda_triggers_and_minimum_replicas_match_the_code() -> No
     for tier, minimum in MIN_REPLICAS.items():
         name = f"lorafleet-worker-{tier.value}"
         env = _env(_container(_deployment(name)))
-        assert env["LORAFLEET_QUEUES"].split(",") == [f"lorafleet.{tier.value}"]
+        assert env["LORAFLEET_TIERS"] == tier.value
         (scaled,) = [
             s for s in _kind("ScaledObject") if s["spec"]["scaleTargetRef"]["name"] == name
         ]
@@ -137,12 +137,14 @@ def test_worker_queues_keda_triggers_and_minimum_replicas_match_the_code() -> No
         # Scaled on the ledger (the gateway's gauge of it), as /v1/fleet recommends.
         assert trigger["type"] == "prometheus"
         query = trigger["metadata"]["query"]
-        assert f'{metrics.ADMITTED_UNFINISHED}{{tier="{tier.value}"}}' in query
+        model = _kind("ConfigMap")[0]["data"]["LORAFLEET_MODEL"]
+        pool = f'{metrics.ADMITTED_UNFINISHED}{{tier="{tier.value}",base_model="{model}"}}'
+        assert pool in query
         assert int(trigger["metadata"]["threshold"]) == defaults.fleet_target_jobs_per_worker
     for service in _compose()["services"].values():
-        queues = service.get("environment", {}).get("LORAFLEET_QUEUES")
-        if queues:
-            assert set(queues.split(",")) <= set(ALL_QUEUES)
+        tiers = service.get("environment", {}).get("LORAFLEET_TIERS")
+        if tiers is not None:
+            assert WorkerSettings(tiers=tiers).tier_list  # valid, and at least one
     assert WEBHOOKS_QUEUE in procfile_commands()["webhooks"]
 
 

@@ -42,7 +42,7 @@ from kombu import Queue
 from kombu.transport.redis import Channel as RedisChannel
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from contracts.queues import ALL_QUEUES
+from contracts.queues import QUEUE_PREFIX
 from contracts.telemetry import SENTRY_OPTIONS
 from worker.config import get_settings
 from worker.runtime import WorkerRuntime
@@ -76,7 +76,9 @@ app.conf.update(
     worker_prefetch_multiplier=settings.prefetch_multiplier,
     # Results live in our own job records (contracts.keys.job_key), not Celery's backend.
     task_ignore_result=True,
-    task_default_queue=ALL_QUEUES[0],
+    # Replaced at start-up by the worker's own queues (``_consume_pool_queues``); never
+    # consumed, never published to.
+    task_default_queue=f"{QUEUE_PREFIX}unselected",
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
 )
@@ -157,13 +159,17 @@ def _start_runtime(**_: Any) -> None:
 
 
 @celeryd_after_setup.connect
-def _consume_own_queue(instance: Any, **_: Any) -> None:
-    # After ``--queues`` was applied (it replaces the set): this worker also takes the jobs the
-    # gateways route to it. Never declared: nothing publishes to it through an exchange (the
+def _consume_pool_queues(instance: Any, **_: Any) -> None:
+    # The queues follow from the base model (hashed at start-up) and LORAFLEET_TIERS: the
+    # pool queues of this worker's tiers, and its own queue for the jobs the gateways route to
+    # it. The own queue is never declared: nothing publishes to it through an exchange (the
     # admission script pushes onto the list), and a declaration would leave a binding key
-    # behind for every worker that ever ran.
+    # behind for every worker that ever ran. ``select`` replaces the default queue's selection.
     if _runtime is not None:
-        instance.app.amqp.queues.select_add(Queue(_runtime.queue, no_declare=True))
+        queues = instance.app.amqp.queues
+        queues.select_add(Queue(_runtime.queue, no_declare=True))
+        queues.select([*_runtime.pool_queues, _runtime.queue])
+        log.info("consuming %s", ", ".join([*_runtime.pool_queues, _runtime.queue]))
 
 
 @worker_ready.connect

@@ -9,6 +9,7 @@ from typing import Literal, cast, get_args
 
 from pydantic import Field, field_validator, model_validator
 
+from contracts.queues import Tier
 from contracts.settings import ServiceSettings
 
 # The ranks vLLM accepts for max_lora_rank; anything else fails at engine start, so refuse early.
@@ -160,15 +161,24 @@ class WorkerSettings(ServiceSettings):
         description="How often a worker publishes the adapters it holds and its load for "
         "routing (and within 0.2 s of a change of its adapters).",
     )
+    pin_check_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="How often a worker checks the registry's version for hot adapters "
+        "published or retired since (one GET), to pin or unpin them live.",
+    )
     route_max_wait_s: float = Field(
         default=5.0,
         gt=0,
         description="A routed job still waiting in a worker's own queue this long after "
         "admission goes back to its tier's shared queue (checked every restore interval).",
     )
-    queues: str = Field(
-        default="lorafleet.hot,lorafleet.warm,lorafleet.cold",
-        description="Queues this worker consumes (the Procfile hands the same variable to Celery).",
+    tiers: str = Field(
+        default="hot,warm,cold",
+        description="Tiers this worker takes, comma-separated: it consumes their queues for "
+        "its base model (`lorafleet.<tier>.<pool id>`) and its own queue; it pins hot "
+        "adapters only if it takes hot, preloads warm ones only if it takes warm. Empty: "
+        "no tier (only jobs pushed onto its own queue; nothing is routed to it).",
     )
     worker_concurrency: int = Field(
         default=256, ge=1, description="Jobs in flight (the Procfile's Celery --concurrency)."
@@ -179,6 +189,20 @@ class WorkerSettings(ServiceSettings):
         le=65535,
         description="Prometheus metrics port (the next free one if taken; 0: any free port).",
     )
+
+    @field_validator("tiers")
+    @classmethod
+    def _known_tiers(cls, value: str) -> str:
+        names = [name.strip() for name in value.split(",") if name.strip()]
+        unknown = sorted(set(names) - {tier.value for tier in Tier})
+        if unknown:
+            raise ValueError(f"unknown tiers {unknown}: take some of hot, warm, cold")
+        return ",".join(dict.fromkeys(names))
+
+    @property
+    def tier_list(self) -> tuple[Tier, ...]:
+        """The tiers this worker takes, in the order given."""
+        return tuple(Tier(name) for name in self.tiers.split(",") if name)
 
     @field_validator("max_lora_rank")
     @classmethod

@@ -40,7 +40,7 @@ from contracts.keys import (
     routed_key,
     worker_key,
 )
-from contracts.queues import Tier, queue_for
+from contracts.queues import UNROUTABLE_QUEUE
 from contracts.task_messages import accepted_at
 from worker.background import Periodic
 
@@ -110,10 +110,10 @@ return 0
 
 def hand_back(redis: Redis, worker_id: str, limit: int = 0) -> int:
     """Move the ``limit`` oldest jobs (0: all) of ``worker_id``'s own queue back to their
-    tiers' shared queues, in one script; how many moved."""
+    pool queues, in one script; how many moved."""
     moved = redis.register_script(routing.HANDBACK)(
         keys=[routing.worker_queue(worker_id), routed_key(worker_id)],
-        args=routing.handback_args(limit, queue_for(Tier.HOT)),
+        args=routing.handback_args(limit, UNROUTABLE_QUEUE),
     )
     return int(moved)
 
@@ -121,7 +121,7 @@ def hand_back(redis: Redis, worker_id: str, limit: int = 0) -> int:
 def recover(redis: Redis, worker_id: str) -> int:
     """For a worker that is gone, after its queue was handed back: push again the message of
     every job routed to it that no worker received (``routing.RECOVER``); how many."""
-    fallback, prefix, worker_prefix = routing.handback_args(0, queue_for(Tier.HOT))[1:]
+    fallback, prefix, worker_prefix = routing.handback_args(0, UNROUTABLE_QUEUE)[1:]
     pushed = redis.register_script(routing.RECOVER)(
         keys=[routed_key(worker_id)], args=[job_key(""), fallback, prefix, worker_prefix]
     )

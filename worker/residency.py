@@ -188,6 +188,9 @@ class EngineAdapters:
         self._ids: dict[str, int] = {}
         self._handed: dict[int, str] = {}
         self._pinned: set[int] = set()
+        # Jobs of a pinned adapter in the engine now: they hold no gate slot, so an unpin
+        # waits for them before the adapter's slot is counted as the gate's again.
+        self._pinned_users: Counter[int] = Counter()  # on the engine loop
         self._loading: dict[str, asyncio.Lock] = {}  # on the engine loop
         self._refused: dict[str, str] = {}  # digest -> the engine's refusal, oldest first
         self._gate = SlotGate(max_loras, slot_bypass_jobs)
@@ -466,8 +469,82 @@ class EngineAdapters:
     async def slot(self, request: LoRARequest) -> AsyncIterator[None]:
         """On the engine loop: hold a GPU slot for ``request``'s adapter while it has a
         request in the engine (pinned adapters own theirs)."""
-        if request.lora_int_id in self._pinned:
-            yield
+        lora_id = request.lora_int_id
+        if lora_id in self._pinned:
+            self._pinned_users[lora_id] += 1
+            try:
+                yield
+            finally:
+                self._pinned_users[lora_id] -= 1
+                if not self._pinned_users[lora_id]:
+                    del self._pinned_users[lora_id]
             return
-        async with self._gate.slot(request.lora_int_id):
+        async with self._gate.slot(lora_id):
             yield
+
+    @property
+    def pinned_digests(self) -> set[str]:
+        """Digests pinned in GPU slots now."""
+        with self._guard:
+            return {digest for digest, lora_id in self._ids.items() if lora_id in self._pinned}
+
+    def pin_live(self, alias: str, digest: str, timeout_s: float) -> Resident:
+        """Pin ``digest`` while jobs run (a hot adapter published to a live worker; the caller
+        holds it on disk). Fetched and verified in this thread, like a job's adapter; then on
+        the engine loop it waits its turn for a GPU slot at the gate as a job would (first in,
+        first out), loads inside it (never evicting an adapter a job is generating with) and
+        pins: from then on its slot is its own and the gate has one fewer. ``TimeoutError``
+        past ``timeout_s`` (nothing pinned)."""
+        staged = self.stage(alias, digest, LoadTimings(), time.time() + timeout_s)
+        lora_id = staged.request.lora_int_id
+
+        async def pin() -> Resident:
+            if lora_id in self._pinned:
+                return Resident(staged.request, self._handed[lora_id])
+            if len(self._pinned) + 1 >= self._max_loras:
+                raise RuntimeError(
+                    f"pinning {alias} would leave no free GPU adapter slot (max_loras="
+                    f"{self._max_loras}, already pinned {len(self._pinned)})"
+                )
+            async with self._gate.slot(lora_id):
+                resident = await self.load(staged, LoadTimings())
+                self.changing()
+                try:
+                    await self._host.engine.pin_lora(lora_id)
+                finally:
+                    self.changing()
+                self._pinned.add(lora_id)
+                self._gate.set_capacity(self._max_loras - len(self._pinned))
+            return resident
+
+        return self._host.run(pin(), timeout_s)
+
+    def unpin(self, digest: str, timeout_s: float) -> bool:
+        """Unpin ``digest`` (its hot adapter was retired): new jobs of it take a gate slot like
+        any adapter's at once; once the jobs that ran on it pinned have left the engine, the
+        engine drops it (vLLM has no unpin: ``remove_lora`` frees its GPU and CPU slots, a
+        later job loads it again from disk) and the gate gets the slot back. False if it was
+        not pinned. ``TimeoutError`` past ``timeout_s`` (its slot not given back yet)."""
+        with self._guard:
+            lora_id = self._ids.get(digest)
+        if lora_id is None:
+            return False
+
+        async def release() -> bool:
+            if lora_id not in self._pinned:
+                return False
+            self._pinned.discard(lora_id)
+            self.changing()  # announced as held in the engine now, not pinned
+            while self._pinned_users[lora_id]:
+                await asyncio.sleep(0.05)
+            async with self._loading.setdefault(digest, asyncio.Lock()):
+                self.changing()
+                try:
+                    await self._host.engine.remove_lora(lora_id)
+                finally:
+                    self.changing()
+                self._handed.pop(lora_id, None)
+            self._gate.set_capacity(self._max_loras - len(self._pinned))
+            return True
+
+        return self._host.run(release(), timeout_s)

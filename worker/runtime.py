@@ -16,7 +16,6 @@ import socket
 import threading
 import time
 import uuid
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,8 @@ from celery.worker import state as celery_state
 
 from contracts.digests import manifest_of
 from contracts.jobs import JobMessage, LoadTimings
-from contracts.keys import WORKER_QUEUES, WORKERS_INDEX, held_key, worker_key
+from contracts.keys import POOLS, WORKER_QUEUES, WORKERS_INDEX, held_key, worker_key
+from contracts.queues import Tier, pool_id, pool_queues
 from contracts.redis_policy import sync_client
 from contracts.registry import AdapterRecord, BaseModelRef
 from contracts.routing import worker_queue
@@ -42,6 +42,7 @@ from worker.held import HeldDeliveries
 from worker.inflight import InFlight
 from worker.job_store import JobStore
 from worker.leases import LeaseKeeper
+from worker.pins import Pins
 from worker.reaper import QueueKeeper, Reaper, hand_back
 from worker.registry import preload_sets
 from worker.residency import EngineAdapters
@@ -122,6 +123,9 @@ class WorkerRuntime:
             stream_attempts=settings.s3_max_attempts,
         )
         self.base_model = base_model_ref(settings.model)
+        self.pool_queues = pool_queues(self.base_model.digest, settings.tier_list)
+        """The shared queues of this worker's pool that it takes from (its tiers' for its base
+        model, ``contracts.queues.queue_for``)."""
         self.host = EngineHost(EngineOptions.from_settings(settings))
         self.host.on_failure(self._engine_failed)
         self.adapters = EngineAdapters(
@@ -172,9 +176,7 @@ class WorkerRuntime:
         self._consuming_stopped = threading.Event()
         self._deadline_warned_at = -float("inf")
         self._drain_timer: threading.Timer | None = None
-        self.pinned: list[str] = []
         self.warm_preloaded: list[str] = []
-        self._pinned_holds = ExitStack()
         self._heartbeat = Background(
             "heartbeat", self._beat, join_timeout_s=settings.heartbeat_s + 5
         )
@@ -185,27 +187,40 @@ class WorkerRuntime:
         self._engine_levels: dict[str, str] = {}
         self._published_levels: dict[str, str] | None = None
         self._announcing = threading.Lock()
+        self.pins = Pins(
+            self.redis,
+            self.adapters,
+            self.cache,
+            self.base_model.digest,
+            Tier.HOT in settings.tier_list,
+            settings.max_loras,
+            settings.pin_check_s,
+            self._residency_changed.set,
+        )
 
     def start(self) -> None:
         """Check the slot budget, start the engine, preload hot and warm adapters."""
         self.scripts.start()
         self.held.start()
         self.deltas.start()
-        hot, warm = preload_sets(self.redis, self.base_model.digest)
-        room = self.settings.max_loras - 1  # one slot stays free for every other adapter
-        if len(hot) > room:
+        # Hot adapters are pinned by the workers that take the hot tier, warm ones preloaded
+        # by those that take the warm tier: jobs of other tiers never reach this worker.
+        hot, beyond = self.pins.desired()
+        _, warm = preload_sets(self.redis, self.base_model.digest)
+        warm = warm if Tier.WARM in self.settings.tier_list else []
+        if beyond:
             # Publishing refuses this while a worker of the pool is up (pins_exceed_slots); one
             # that starts against such a registry serves the rest unpinned, never crash-loops.
             log.error(
                 "%d hot adapters, %d GPU slots to pin them (LORAFLEET_MAX_LORAS=%d, one stays "
                 "free): not pinning %s (preloaded warm, served like any other adapter); raise "
                 "LORAFLEET_MAX_LORAS or retire hot adapters",
+                len(hot) + len(beyond),
                 len(hot),
-                room,
                 self.settings.max_loras,
-                ", ".join(record.alias for record in hot[room:]),
+                ", ".join(record.alias for record in beyond),
             )
-            hot, warm = hot[:room], [*hot[room:], *warm]
+            warm = [*beyond, *warm]
         started = time.perf_counter()
         self.host.start()
         log.info("engine batch limits %s", self.host.batch_limits)
@@ -214,6 +229,7 @@ class WorkerRuntime:
             log.info("engine processes bound to cores %s", self.host.colocate_engine_core())
         card, tokenizer_json = model_card.describe(self.host.engine, self.base_model)
         model_card.publish(self.redis, card, tokenizer_json)
+        self.redis.hset(POOLS, pool_id(self.base_model.digest), self.base_model.model_dump_json())
         self._preload(hot, warm)
         self.watch.start()
 
@@ -229,6 +245,7 @@ class WorkerRuntime:
         self.cancels.start()
         self.reaper.start()
         self.queue_keeper.start()
+        self.pins.start()
         self.leases.start()
         self.sweeper.start()
 
@@ -362,15 +379,8 @@ class WorkerRuntime:
 
     def _preload(self, hot: list[AdapterRecord], warm: list[AdapterRecord]) -> None:
         """Pin hot adapters in GPU slots; register warm ones in the engine's CPU cache."""
-        for record in hot:
-            self._pinned_holds.enter_context(self.cache.hold(record.digest))
-            try:
-                resident = self.adapters.pin(record.alias, record.digest)
-            except JobFailure as failure:
-                log.error("hot adapter %s not pinned: %s", record.alias, failure.message)
-                continue
-            self.pinned.append(resident.request.lora_name)
-        room = self.settings.max_cpu_loras - len(self.pinned)
+        self.pins.pin_at_start(hot)
+        room = self.settings.max_cpu_loras - len(self.pins.names)
         for record in warm[: max(room, 0)]:
             try:
                 with self.cache.hold(record.digest):
@@ -381,8 +391,7 @@ class WorkerRuntime:
                 log.error("warm adapter %s not preloaded: %s", record.alias, failure.message)
                 continue
             self.warm_preloaded.append(resident.request.lora_name)
-        metrics.RESIDENT.labels("gpu").set(len(self.pinned))
-        log.info("pinned %s; warm preloaded %s", self.pinned, self.warm_preloaded)
+        log.info("pinned %s; warm preloaded %s", self.pins.names, self.warm_preloaded)
 
     def _announce(self, ask_engine: bool = True) -> bool:
         """Write this worker's record (with the adapters it holds: the engine asked now, or
@@ -411,7 +420,7 @@ class WorkerRuntime:
             "max_loras": self.settings.max_loras,
             "max_cpu_loras": self.settings.max_cpu_loras,
             **self.host.batch_limits,
-            "pinned": self.pinned,
+            "pinned": self.pins.names,
             "warm_preloaded": self.warm_preloaded,
             "disk_cache_bytes": self.cache.used_bytes(),
             "engine_unfinished_requests": self._unfinished_requests(),
@@ -419,7 +428,7 @@ class WorkerRuntime:
             "engine_aborted_requests": self.runner.aborted_requests,
             "disk_cache_max_bytes": self.cache.max_bytes,
             "metrics_port": self.metrics_port,
-            "queues": self.settings.queues.split(","),
+            "queues": self.pool_queues,
             "queue": self.queue,
             "adapters": adapters,
             "concurrency": self.settings.worker_concurrency,
@@ -488,6 +497,7 @@ class WorkerRuntime:
         self.cancels.close()
         self.reaper.close()
         self.queue_keeper.close()
+        self.pins.close()
         self.deltas.close()
         self.held.close()
         self.scripts.close()
@@ -498,5 +508,4 @@ class WorkerRuntime:
         except Exception as exc:
             log.warning("could not withdraw worker record: %s", exc)
         self.host.shutdown()
-        self._pinned_holds.close()
         self.cache.close()

@@ -17,4 +17,4 @@ USER lorafleet
 ENV LORAFLEET_CACHE_DIR=/var/cache/lorafleet LORAFLEET_METRICS_PORT=9400 \
     LORAFLEET_DTYPE=float32 LORAFLEET_ENFORCE_EAGER=true LORAFLEET_COLOCATE_ENGINE_CORE=true
 EXPOSE 9400
-CMD celery -A worker.celery_app worker --pool threads --concurrency ${LORAFLEET_WORKER_CONCURRENCY:-256} --queues ${LORAFLEET_QUEUES:-lorafleet.hot,lorafleet.warm,lorafleet.cold} --hostname ${LORAFLEET_WORKER_NAME:-worker@%h} --without-gossip --without-mingle --without-heartbeat --loglevel ${LORAFLEET_LOG_LEVEL:-INFO}
+CMD celery -A worker.celery_app worker --pool threads --concurrency ${LORAFLEET_WORKER_CONCURRENCY:-256} --hostname ${LORAFLEET_WORKER_NAME:-worker@%h} --without-gossip --without-mingle --without-heartbeat --loglevel ${LORAFLEET_LOG_LEVEL:-INFO}

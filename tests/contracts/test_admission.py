@@ -25,16 +25,20 @@ from contracts.keys import (
     batch_jobs_key,
     batch_key,
     job_key,
+    queue_ledger_key,
     rate_key,
     tenant_ledger_key,
-    tier_ledger_key,
 )
 from contracts.queues import Tier, queue_for
 
 LIMITS = admission.Limits(tier_max=100, tenant_max=2, rate_per_s=1000.0, burst=1000)
 
 
-def _job(tenant: str) -> JobPublic:
+BASE = "sha256:" + "b" * 64
+OTHER_BASE = "sha256:" + "c" * 64
+
+
+def _job(tenant: str, base: str = BASE) -> JobPublic:
     return JobPublic(
         id=uuid.uuid4().hex,
         status=JobStatus.QUEUED,
@@ -42,7 +46,7 @@ def _job(tenant: str) -> JobPublic:
         adapter="a",
         revision="sha256:" + "0" * 64,
         tier=Tier.WARM,
-        queue="lorafleet.warm",
+        queue=queue_for(Tier.WARM, base),
         created_at=datetime.now(tz=UTC),
     )
 
@@ -72,7 +76,7 @@ def test_terminal_write_releases_once_and_the_count_never_goes_negative(redis: R
     keys, args = admission.withdraw_call(first, LIMITS.burst)
     redis.register_script(admission.WITHDRAW)(keys=keys, args=args)
     assert _held(redis, tenant) == 1  # withdrawing a finished job releases nothing more
-    assert redis.zscore(tier_ledger_key(Tier.WARM.value), second.id) is not None
+    assert redis.zscore(queue_ledger_key(second.queue), second.id) is not None
 
 
 def test_an_entry_past_its_expiry_stops_counting(redis: Redis) -> None:
@@ -103,7 +107,7 @@ def test_an_admission_run_twice_admits_enqueues_and_spends_once(redis: Redis) ->
     once on a fresh connection) must not push the message twice or take a second token."""
     tenant = f"t-{uuid.uuid4().hex[:8]}"
     job = _job(tenant)
-    queue = queue_for(job.tier)
+    queue = job.queue
     before = int(redis.llen(queue))  # type: ignore[arg-type]
     keys, args = admission.admit_call(job, time.time() + 60, LIMITS, 60, message="m")
     try:
@@ -126,7 +130,7 @@ def test_an_admission_that_arrives_after_its_withdrawal_admits_and_enqueues_noth
     had been answered 503 for)."""
     tenant = f"t-{uuid.uuid4().hex[:8]}"
     job = _job(tenant)
-    queue = queue_for(job.tier)
+    queue = job.queue
     before = int(redis.llen(queue))  # type: ignore[arg-type]
     keys, args = admission.withdraw_call(job, LIMITS.burst)
     assert redis.register_script(admission.WITHDRAW)(keys=keys, args=args) == 0
@@ -177,7 +181,9 @@ def test_a_batch_admission_that_arrives_after_its_withdrawal_admits_nothing(
         batch, jobs, lines, time.time() + 60, limits, 60, messages=["m"] * 3
     )
     with pytest.raises(admission.AdmissionWithdrawn):
-        admission.batch_verdict(redis.register_script(admission.ADMIT_BATCH)(keys=keys, args=args))
+        admission.batch_verdict(
+            redis.register_script(admission.ADMIT_BATCH)(keys=keys, args=args), jobs
+        )
     assert _held(redis, tenant) == 0
     assert not any(redis.exists(job_key(job.id)) for job in jobs)
 
@@ -194,7 +200,7 @@ def test_a_withdrawn_batch_leaves_no_record_no_ledger_entry_and_its_token_back(
     limits = admission.BatchLimits(
         tenant_max=10, rate_per_s=1000.0, burst=5, tier_max=dict.fromkeys(Tier, 100)
     )
-    queue = queue_for(jobs[0].tier)
+    queue = jobs[0].queue
     before = int(redis.llen(queue))  # type: ignore[arg-type]
     messages = [f"m-{job.id}" for job in jobs]
     keys, args = admission.admit_batch_call(
@@ -202,7 +208,7 @@ def test_a_withdrawn_batch_leaves_no_record_no_ledger_entry_and_its_token_back(
     )
     try:
         reply = redis.register_script(admission.ADMIT_BATCH)(keys=keys, args=args)
-        assert admission.batch_verdict(reply)[0].refusal is None
+        assert admission.batch_verdict(reply, jobs)[0].refusal is None
         assert all(redis.hexists(job_key(job.id), "record") for job in jobs)
         assert _held(redis, tenant) == 3
         assert float(redis.hget(rate_key(tenant), "tokens")) == 4  # type: ignore[arg-type]
@@ -220,3 +226,42 @@ def test_a_withdrawn_batch_leaves_no_record_no_ledger_entry_and_its_token_back(
     finally:
         for message in messages:
             redis.lrem(queue, 0, message)
+
+
+def test_a_batch_over_two_base_models_counts_each_in_its_own_pool_queue(redis: Redis) -> None:
+    """Each pool queue (a tier of one base model's pool) has its own ledger and limit: a batch
+    whose jobs go to two pools is checked against both, refused whole if one is full (the
+    reply names that queue), and admitted into both otherwise; withdrawn, both are empty."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    batch, jobs, lines = _batch(tenant, 4)
+    jobs[2:] = [_job(tenant, OTHER_BASE) for _ in range(2)]
+    lines = [
+        line.model_copy(update={"job_id": job.id}) for line, job in zip(lines, jobs, strict=True)
+    ]
+    ours, theirs = queue_ledger_key(jobs[0].queue), queue_ledger_key(jobs[2].queue)
+    assert ours != theirs
+    redis.delete(ours, theirs)
+    # the other pool holds 9 of at most 10 already: its 2 more do not fit, ours would
+    for n in range(9):
+        redis.zadd(theirs, {f"held-{n}": time.time() + 60})
+    tight = admission.BatchLimits(
+        tenant_max=100, rate_per_s=1000.0, burst=1000, tier_max=dict.fromkeys(Tier, 10)
+    )
+    try:
+        keys, args = admission.admit_batch_call(batch, jobs, lines, time.time() + 60, tight, 60)
+        reply = redis.register_script(admission.ADMIT_BATCH)(keys=keys, args=args)
+        verdict, full = admission.batch_verdict(reply, jobs)
+        assert verdict.refusal == admission.Refusal.TIER and full == jobs[2].queue
+        assert redis.zcard(ours) == 0 and redis.zcard(theirs) == 9  # nothing admitted
+        assert not any(redis.exists(job_key(job.id)) for job in jobs)
+        redis.delete(theirs)
+        reply = redis.register_script(admission.ADMIT_BATCH)(keys=keys, args=args)
+        assert admission.batch_verdict(reply, jobs)[0].refusal is None
+        assert set(redis.zrange(ours, 0, -1)) == {jobs[0].id, jobs[1].id}  # type: ignore[arg-type]
+        assert set(redis.zrange(theirs, 0, -1)) == {jobs[2].id, jobs[3].id}  # type: ignore[arg-type]
+        keys, args = admission.withdraw_batch_call(batch, jobs, tight.burst)
+        assert redis.register_script(admission.WITHDRAW_BATCH)(keys=keys, args=args) == 1
+        assert redis.zcard(ours) == 0 and redis.zcard(theirs) == 0
+        assert _held(redis, tenant) == 0
+    finally:
+        redis.delete(ours, theirs)

@@ -14,7 +14,7 @@ from contracts import admission, routing
 from contracts.job_records import CLAIM, claim_call
 from contracts.jobs import JobMessage, Routed, Sampling
 from contracts.keys import WORKER_QUEUES, job_key, routed_key, worker_key
-from contracts.queues import Tier, queue_for
+from contracts.queues import UNROUTABLE_QUEUE, Tier, queue_for
 from contracts.registry import BaseModelRef
 from contracts.routing import Decision, Level, Policy, WorkerState, choose
 from contracts.task_messages import accepted_at
@@ -25,7 +25,7 @@ from worker.reaper import QueueKeeper, hand_back
 
 BASE = "sha256:" + "b" * 64
 OTHER_BASE = "sha256:" + "c" * 64
-HOT = queue_for(Tier.HOT)
+HOT = queue_for(Tier.HOT, BASE)
 POLICY = Policy(max_copies=2, overload_ratio=1.0)
 
 
@@ -40,7 +40,7 @@ def _worker(
         slots=4,
         worker_id=name,
         base_model=base,
-        queues=frozenset(queue_for(tier) for tier in Tier),
+        queues=frozenset(queue_for(tier, base) for tier in Tier),
         concurrency=concurrency,
         outstanding=outstanding,
         adapters=adapters or {},
@@ -120,7 +120,7 @@ def test_only_workers_of_the_base_model_and_tier_are_routed_to() -> None:
     cold_only = WorkerState(
         worker_id="cold",
         base_model=BASE,
-        queues=frozenset({queue_for(Tier.COLD)}),
+        queues=frozenset({queue_for(Tier.COLD, BASE)}),
         concurrency=8,
         outstanding=0,
         adapters={d: Level.PINNED},
@@ -131,10 +131,11 @@ def test_only_workers_of_the_base_model_and_tier_are_routed_to() -> None:
     assert route.decision == Decision.PLACED and route.worker_id in {"a", "b"}
     # No worker of the pool: the shared queue.
     assert choose([cold_only, other], BASE, HOT, d, POLICY) == routing.SHARED
-    # A pool of one worker that the shared queue reaches alone: nothing to route.
+    # A pool of one worker: the pool queue reaches it alone, nothing to route; a worker of
+    # another base model beside it changes nothing (it never takes from this pool's queue).
     assert choose([ours[0]], BASE, HOT, d, POLICY) == routing.SHARED
-    # ... but beside a worker of another base model, the own queue keeps it off that one.
-    assert choose([ours[0], other], BASE, HOT, d, POLICY).worker_id == "a"
+    assert choose([ours[0], other], BASE, HOT, d, POLICY) == routing.SHARED
+    assert queue_for(Tier.HOT, OTHER_BASE) in other.queues and HOT not in other.queues
 
 
 def test_an_announcement_routing_must_not_use_is_skipped() -> None:
@@ -161,13 +162,15 @@ def test_an_announcement_routing_must_not_use_is_skipped() -> None:
     assert predates_routing(old) and not predates_routing(record)
 
 
-def _message(job_id: str, tier: Tier, accepted: float, worker: str | None) -> JobMessage:
+def _message(
+    job_id: str, tier: Tier, accepted: float, worker: str | None, base: str = BASE
+) -> JobMessage:
     return JobMessage(
         job_id=job_id,
         tenant="t",
         adapter="a",
         revision=_digest(9),
-        base_model=BaseModelRef(id="m", digest=BASE),
+        base_model=BaseModelRef(id="m", digest=base),
         tier=tier,
         prompt="hi",
         sampling=Sampling(),
@@ -187,31 +190,36 @@ def _ids(redis: Redis, queue: str) -> list[str]:
     return [json.loads(raw)["headers"]["id"] if raw.startswith("{") else raw for raw in raws][::-1]
 
 
-def test_hand_back_moves_every_job_to_its_own_tier_queue_oldest_first(redis: Redis) -> None:
+def test_hand_back_moves_every_job_to_its_own_pool_queue_oldest_first(redis: Redis) -> None:
     worker = f"h:2:{time.time_ns()}"
     mine = routing.worker_queue(worker)
-    hot, cold = queue_for(Tier.HOT), queue_for(Tier.COLD)
-    redis.delete(hot, cold)
+    hot, cold = queue_for(Tier.HOT, BASE), queue_for(Tier.COLD, BASE)
+    other_hot = queue_for(Tier.HOT, OTHER_BASE)
+    redis.delete(hot, cold, other_hot, UNROUTABLE_QUEUE)
     now = time.time()
     for i, tier in enumerate([Tier.HOT, Tier.COLD, Tier.HOT, Tier.HOT]):
         _push(redis, _message(f"r{i}", tier, now + i, worker))
+    redis.lpush(mine, job_message(_message("r4", Tier.HOT, now + 4, worker, OTHER_BASE)))
     redis.lpush(hot, job_message(_message("queued-before", Tier.HOT, now - 1, None)))
-    redis.lpush(mine, "not a job message")  # moved to the fallback, never lost
+    redis.lpush(mine, "not a job message")  # kept where an operator finds it, never lost
     try:
         assert hand_back(redis, worker, limit=2) == 2
         # Taken before what waited in the shared queue: they were admitted to be run first.
         assert _ids(redis, hot) == ["r0", "queued-before"] and _ids(redis, cold) == ["r1"]
-        assert hand_back(redis, worker) == 3
+        assert hand_back(redis, worker) == 4
         assert redis.llen(mine) == 0
-        assert _ids(redis, hot) == ["r2", "r3", "not a job message", "r0", "queued-before"]
+        assert _ids(redis, hot) == ["r2", "r3", "r0", "queued-before"]
+        # each message to the pool queue of its own base model
+        assert _ids(redis, other_hot) == ["r4"]
+        assert _ids(redis, UNROUTABLE_QUEUE) == ["not a job message"]
     finally:
-        redis.delete(hot, cold, mine)
+        redis.delete(hot, cold, mine, other_hot, UNROUTABLE_QUEUE)
 
 
 def test_the_queue_keeper_hands_back_a_gone_workers_queue_and_a_live_ones_stale_jobs(
     redis: Redis,
 ) -> None:
-    hot = queue_for(Tier.HOT)
+    hot = queue_for(Tier.HOT, BASE)
     gone, live = f"h:3:{time.time_ns()}", f"h:4:{time.time_ns()}"
     now = time.time()
     redis.delete(hot)
@@ -276,7 +284,7 @@ def test_a_gone_workers_routed_jobs_that_nobody_received_are_pushed_again(redis:
     """A worker killed while blocked on its queue takes the next message pushed there with it
     (the reply to its BRPOP lands in a dead socket: seen in tests/integration/
     test_fleet_routing.py). Its queue keeper pushes such jobs' kept messages again."""
-    hot = queue_for(Tier.HOT)
+    hot = queue_for(Tier.HOT, BASE)
     dead = f"h:7:{time.time_ns()}"
     now = time.time()
     lost, _ = _admit_routed(redis, dead, now)

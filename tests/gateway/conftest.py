@@ -18,8 +18,7 @@ import pytest
 import uvicorn
 from redis import Redis
 
-from contracts.keys import ADAPTERS_INDEX, DEADLINES, tenant_ledger_key, tier_ledger_key
-from contracts.queues import Tier, queue_for
+from contracts.keys import ADAPTERS_INDEX, DEADLINES, POOLS, tenant_ledger_key
 from contracts.registry import AdapterRecord, BaseModelRef
 from contracts.tenants import ALL_ADAPTERS, TenantLimits
 from gateway.app import create_app
@@ -27,7 +26,7 @@ from gateway.config import GatewaySettings
 from lorafleet.processes import free_port
 from lorafleet.stack import CPU_ENGINE_DEFAULTS, LocalStack
 from lorafleet.tenants import Tenants
-from tests.helpers import job_records
+from tests.helpers import job_records, pool_ledger_entries, queued_messages
 from worker import model_card
 
 PRIVATE_DB = 1
@@ -41,9 +40,9 @@ def admitted_state(redis: Redis, tenant: str) -> dict[str, int]:
         "batches": len(list(redis.scan_iter("lorafleet:batch:*"))),
         "idempotency_keys": len(list(redis.scan_iter("lorafleet:idem:*"))),
         "files": len(list(redis.scan_iter("lorafleet:file:*"))),
-        "tier_ledgers": sum(int(redis.zcard(tier_ledger_key(t.value))) for t in Tier),  # type: ignore[arg-type]
+        "pool_ledgers": pool_ledger_entries(redis),
         "tenant_ledger": int(redis.zcard(tenant_ledger_key(tenant))),  # type: ignore[arg-type]
-        "queued": sum(int(redis.llen(queue_for(t))) for t in Tier),  # type: ignore[arg-type]
+        "queued": queued_messages(redis),
         "deadlines": int(redis.zcard(DEADLINES)),  # type: ignore[arg-type]
     }
 
@@ -53,7 +52,7 @@ NOTHING = {
     "batches": 0,
     "idempotency_keys": 0,
     "files": 0,
-    "tier_ledgers": 0,
+    "pool_ledgers": 0,
     "tenant_ledger": 0,
     "queued": 0,
     "deadlines": 0,
@@ -100,13 +99,16 @@ def base_card(base_model: BaseModelRef) -> tuple[Any, str | None]:
 def private_redis(
     infra: LocalStack, published: dict[str, AdapterRecord], base_card: tuple[Any, str | None]
 ) -> Iterator[Redis]:
-    """Database ``PRIVATE_DB``, emptied, holding the session's registry and the model card."""
+    """Database ``PRIVATE_DB``, emptied, holding the session's registry (pools too) and the
+    model card."""
     source = infra.redis()
     private = Redis.from_url(_url(infra, PRIVATE_DB), decode_responses=True)
     private.flushdb()
     for key in source.scan_iter("lorafleet:adapter:*"):
         private.set(key, source.get(key))  # type: ignore[arg-type]
     private.sadd(ADAPTERS_INDEX, *published)
+    for key, value in source.hgetall(POOLS).items():  # type: ignore[union-attr]
+        private.hset(POOLS, key, value)
     model_card.publish(private, *base_card)
     yield private
     private.flushdb()

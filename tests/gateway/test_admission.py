@@ -13,13 +13,13 @@ import httpx
 from redis import Redis
 
 from contracts import admission
-from contracts.keys import DEADLINES, rate_key, tenant_ledger_key, tier_ledger_key
-from contracts.queues import Tier, queue_for
+from contracts.keys import DEADLINES, rate_key, tenant_ledger_key
+from contracts.queues import Tier
 from contracts.registry import AdapterRecord
 from lorafleet.client import auth_headers
 from lorafleet.stack import LocalStack
 from tests.gateway.conftest import PRIVATE_DB
-from tests.helpers import job_records
+from tests.helpers import job_records, pool_ledger_entries, queued_messages
 from tests.sockets import hang, slow_replies, tcp_server
 
 
@@ -35,9 +35,9 @@ def _state(redis: Redis, tenant: str) -> dict[str, int]:
     """Everything an admission leaves behind."""
     return {
         "records": job_records(redis),
-        "tier_ledger": int(redis.zcard(tier_ledger_key(Tier.COLD.value))),  # type: ignore[arg-type]
+        "pool_ledgers": pool_ledger_entries(redis),
         "tenant_ledger": int(redis.zcard(tenant_ledger_key(tenant))),  # type: ignore[arg-type]
-        "queued": int(redis.llen(queue_for(Tier.COLD))),  # type: ignore[arg-type]
+        "queued": queued_messages(redis),
     }
 
 
@@ -76,7 +76,7 @@ def test_fifty_concurrent_submissions_against_a_limit_of_twenty_admit_exactly_tw
             assert int(answer.headers["Retry-After"]) >= 1
         assert _state(private_redis, "acme") == {
             "records": 20,
-            "tier_ledger": 20,
+            "pool_ledgers": 20,
             "tenant_ledger": 20,
             "queued": 20,
         }
@@ -85,7 +85,7 @@ def test_fifty_concurrent_submissions_against_a_limit_of_twenty_admit_exactly_tw
             for answer in admitted:
                 assert http.delete(f"/v1/jobs/{answer.json()['id']}").status_code == 200
             assert _state(private_redis, "acme")["tenant_ledger"] == 0
-            assert _state(private_redis, "acme")["tier_ledger"] == 0
+            assert _state(private_redis, "acme")["pool_ledgers"] == 0
             assert http.post("/v1/jobs", json=_job(_cold(published))).status_code == 202
 
 
@@ -109,7 +109,7 @@ def test_tier_limit_refuses_with_its_own_code(
         # Another tier has its own budget.
         hot = next(r.alias for r in published.values() if r.tier == Tier.HOT)
         assert http.post("/v1/jobs", json=_job(hot)).status_code == 202
-    assert _state(private_redis, "acme")["tier_ledger"] == 3
+    assert _state(private_redis, "acme")["pool_ledgers"] == 3 + 1
 
 
 def test_rate_limit_refuses_past_the_burst_with_retry_after(
@@ -151,7 +151,7 @@ def test_queue_unreachable_is_503_and_leaves_no_ledger_entry_record_or_token(
             assert response.headers["Retry-After"] == "2"
     assert _state(private_redis, "acme") == {
         "records": 0,
-        "tier_ledger": 0,
+        "pool_ledgers": 0,
         "tenant_ledger": 0,
         "queued": 0,
     }
@@ -188,9 +188,9 @@ def test_admission_whose_reply_outlasts_the_bound_is_503_and_leaves_nothing(
                 time.sleep(0.1)
             time.sleep(2)  # past the publish that followed the late admission
     state = _state(private_redis, "late")
-    assert {name: state[name] for name in ("records", "tier_ledger", "tenant_ledger")} == {
+    assert {name: state[name] for name in ("records", "pool_ledgers", "tenant_ledger")} == {
         "records": 0,
-        "tier_ledger": 0,
+        "pool_ledgers": 0,
         "tenant_ledger": 0,
     }
     # A message published before the withdrawal has no record: a worker drops it.
@@ -274,7 +274,7 @@ def test_idempotency_key_replays_the_same_job_once_even_concurrently(
             assert answers[0].json()["id"] in changed.json()["error"]["message"]
     assert _state(private_redis, "acme") == {
         "records": 1,
-        "tier_ledger": 1,
+        "pool_ledgers": 1,
         "tenant_ledger": 1,
         "queued": 1,
     }
@@ -314,7 +314,7 @@ def test_a_burst_wider_than_the_redis_pool_is_admitted_whole(
     assert [a.status_code for a in answers] == [202] * 120
     assert _state(private_redis, "burst") == {
         "records": 120,
-        "tier_ledger": 120,
+        "pool_ledgers": 120,
         "tenant_ledger": 120,
         "queued": 120,
     }

@@ -299,7 +299,7 @@ def test_healthz_stays_fast_while_another_client_sends_huge_prompts(
     assert max(loaded) < took / 2, (max(loaded), took, statistics.median(loaded), unloaded[-1])
     assert admitted_state(private_redis, "heavy") == NOTHING | {
         "records": 1,
-        "tier_ledgers": 1,
+        "pool_ledgers": 1,
         "queued": 1,
         "deadlines": 1,
     }

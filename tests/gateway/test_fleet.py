@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 from redis import Redis
 
-from contracts.keys import WORKERS_INDEX, worker_key
-from contracts.queues import Tier
-from contracts.registry import AdapterRecord
+from contracts.keys import POOLS, WORKERS_INDEX, worker_key
+from contracts.queues import Tier, pool_id, queue_for
+from contracts.registry import AdapterRecord, BaseModelRef
 from contracts.tenants import ALL_ADAPTERS, TenantLimits
 from lorafleet.client import auth_headers
 from lorafleet.tenants import Tenants
@@ -63,7 +63,11 @@ def test_recommended_replicas_follow_load_and_queue_age(
     tenants = Tenants(private_redis)
     _, operator = tenants.create("ops", TenantLimits(max_concurrent=1000), operator=True)
     tenants.grant("ops", ALL_ADAPTERS)
-    cold = next(r.alias for r in published.values() if r.tier == Tier.COLD)
+    cold_record = next(r for r in published.values() if r.tier == Tier.COLD)
+    cold = cold_record.alias
+    # A second base model's pool: known (an adapter was published for it), nothing admitted.
+    other = BaseModelRef(id="other-model", digest="sha256:" + "e" * 64)
+    private_redis.hset(POOLS, pool_id(other.digest), other.model_dump_json())
 
     async def submit(url: str, count: int) -> None:
         async with httpx.AsyncClient(base_url=url, headers=auth_headers(operator)) as http:
@@ -77,7 +81,16 @@ def test_recommended_replicas_follow_load_and_queue_age(
         httpx.Client(base_url=url, headers=auth_headers(operator)) as http,
     ):
         asyncio.run(submit(url, 25))
-        tiers = {t["tier"]: t for t in http.get("/v1/fleet").json()["tiers"]}
+        entries = http.get("/v1/fleet").json()["tiers"]
+        # one entry per tier of each pool, each naming its base model and queue
+        assert sorted((t["base_model"]["id"], t["tier"]) for t in entries) == sorted(
+            (base.id, tier.value) for base in (cold_record.base_model, other) for tier in Tier
+        )
+        others = [t for t in entries if t["pool"] == pool_id(other.digest)]
+        assert {t["queue"] for t in others} == {queue_for(tier, other.digest) for tier in Tier}
+        assert all(t["admitted_unfinished"] == 0 and t["queue_depth"] == 0 for t in others)
+        mine = cold_record.base_model.digest
+        tiers = {t["tier"]: t for t in entries if t["base_model"]["digest"] == mine}
         assert tiers["cold"]["queue_depth"] == 25 and tiers["cold"]["admitted_unfinished"] == 25
         assert tiers["cold"]["recommended_replicas"] == 3  # ceil(25 / 10), no worker yet
         assert tiers["hot"]["recommended_replicas"] == 1  # always on
@@ -87,7 +100,7 @@ def test_recommended_replicas_follow_load_and_queue_age(
             worker_id = f"host:{n}"
             record = {
                 "worker_id": worker_id,
-                "queues": ["lorafleet.cold"],
+                "queues": [queue_for(Tier.COLD, mine)],
                 "pinned": [],
                 "warm_preloaded": [],
                 "jobs_running": 8,
@@ -96,10 +109,14 @@ def test_recommended_replicas_follow_load_and_queue_age(
             }
             private_redis.set(worker_key(worker_id), json.dumps(record), ex=60)
             private_redis.sadd(WORKERS_INDEX, worker_id)
-        served = {t["tier"]: t for t in http.get("/v1/fleet").json()["tiers"]}["cold"]
+        served = next(
+            t for t in http.get("/v1/fleet").json()["tiers"] if t["queue"] == tiers["cold"]["queue"]
+        )
         assert len(served["workers"]) == 3 and served["free_slots"] == 6
         assert served["recommended_replicas"] == 3  # load alone
         time.sleep(1.2)  # the oldest job now waits longer than the age bound
-        aged = {t["tier"]: t for t in http.get("/v1/fleet").json()["tiers"]}["cold"]
+        aged = next(
+            t for t in http.get("/v1/fleet").json()["tiers"] if t["queue"] == tiers["cold"]["queue"]
+        )
         assert aged["oldest_waiting_s"] > 1.0
         assert aged["recommended_replicas"] == 4  # jobs wait too long: one more than now

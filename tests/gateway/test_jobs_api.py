@@ -33,7 +33,12 @@ def test_accepted_job_names_revision_and_tier_queue(
     assert response.status_code == 202
     body = response.json()
     assert body["revision"] == record.digest
-    assert body["queue"] == queue_for(record.tier) == "lorafleet.warm"
+    pool = record.base_model.digest.removeprefix("sha256:")[:12]
+    assert (
+        body["queue"]
+        == queue_for(record.tier, record.base_model.digest)
+        == f"lorafleet.warm.{pool}"
+    )
     assert body["status"] == "queued"
     assert response.headers["location"] == f"/v1/jobs/{body['id']}"
     status = api.get(f"/v1/jobs/{body['id']}").json()

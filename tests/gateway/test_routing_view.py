@@ -25,7 +25,7 @@ def _announce(redis: Redis, worker_id: str, base: str, old: bool = False, **extr
         "worker_id": worker_id,
         "state": "serving",
         "base_model": {"id": "m", "digest": base},
-        "queues": [queue_for(tier) for tier in Tier],
+        "queues": [queue_for(tier, base) for tier in Tier],
         "concurrency": 8,
         "jobs_running": 0,
         "max_loras": 4,

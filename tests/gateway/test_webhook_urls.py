@@ -14,7 +14,7 @@ import httpx
 import pytest
 from redis import Redis
 
-from contracts.queues import Tier
+from contracts.queues import Tier, queue_for
 from contracts.registry import AdapterRecord
 from contracts.webhooks import DeliveryState, IPAddress, job_event_id
 from gateway import webhooks as gateway_webhooks
@@ -146,7 +146,7 @@ def _event_for(private_redis: Redis, url: str) -> Any:
         adapter="a",
         revision="sha256:" + "0" * 64,
         tier=Tier.HOT,
-        queue="lorafleet.hot",
+        queue=queue_for(Tier.HOT, "sha256:" + "b" * 64),
         created_at=datetime.now(tz=UTC),
         webhook=WebhookTarget(url=url),
     )

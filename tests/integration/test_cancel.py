@@ -93,7 +93,8 @@ def test_unknown_job_cannot_be_cancelled(api: httpx.Client, redis: Redis) -> Non
 def test_queued_job_that_was_cancelled_never_runs(
     stack: LocalStack, api: httpx.Client, redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
-    queue = queue_for(Tier.HOT)
+    record = published[hot_alias(published)]
+    queue = queue_for(Tier.HOT, record.base_model.digest)
     with paused(stack, queue):
         # An earlier test's message may still wait here (a job the deadline sweeper ended
         # while the queue was paused is consumed only after it resumes).

@@ -61,8 +61,9 @@ def test_generation_past_its_deadline_is_aborted_in_the_engine(
 def test_job_that_waits_in_the_queue_past_its_deadline_never_runs(
     stack: LocalStack, api: httpx.Client, published: dict[str, AdapterRecord]
 ) -> None:
-    with paused(stack, queue_for(Tier.HOT)):
-        accepted = submit_job(api, hot_alias(published), deadline_s=0.5)
+    record = published[hot_alias(published)]
+    with paused(stack, queue_for(Tier.HOT, record.base_model.digest)):
+        accepted = submit_job(api, record.alias, deadline_s=0.5)
         time.sleep(1.0)  # let the deadline pass while the job sits in Redis
     job = wait_job(api, accepted["id"])
     assert job["status"] == "failed"

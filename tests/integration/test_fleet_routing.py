@@ -1,7 +1,9 @@
 """A real fleet routes by residency: 3 CPU workers of one base model and 1 of another, 24
 adapters, Zipf (s = 1.1) open-loop traffic through a gateway with routing and one without, in
 the same run. S3 GETs are counted in the S3 server's own request log; every job's tokens are
-compared with its adapter's PEFT reference; a worker is SIGKILLed mid-run.
+compared with its adapter's PEFT reference; a worker is SIGKILLed mid-run. A second base
+model's jobs wait in its own pool queue until its worker starts, and hot adapters published
+or retired while the workers run are pinned or unpinned on them.
 
 Its own stack (Redis, S3, two gateways, four workers): the session's single worker would
 take jobs from the shared queues and blur the counts.
@@ -26,13 +28,15 @@ import pytest
 from redis import Redis
 
 from contracts.digests import manifest_of
+from contracts.errors import ErrorCode
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import JOB_EVENTS, worker_key
-from contracts.queues import Tier
+from contracts.queues import Tier, queue_for
 from contracts.storage import blob_key
 from lorafleet.fixtures import AdapterSpec, write_adapter
 from lorafleet.processes import Child
 from lorafleet.publish import Publisher
+from lorafleet.registry import RegistryError
 from lorafleet.settings import LocalSettings
 from lorafleet.stack import LocalStack
 from lorafleet.validation import ADAPTER_FILES
@@ -293,7 +297,7 @@ def test_a_worker_killed_mid_run_loses_nothing_and_runs_nothing_twice(
     )
 
 
-def test_a_second_base_models_jobs_run_only_on_its_own_worker(
+def test_a_second_base_models_jobs_wait_in_its_pool_and_run_only_on_its_own_worker(
     fleet: RoutedFleet, fixtures_dir: Path
 ) -> None:
     other = _second_base((fixtures_dir / "base").resolve(), fleet.root / "other-base")
@@ -309,16 +313,84 @@ def test_a_second_base_models_jobs_run_only_on_its_own_worker(
     for path in _adapters(other, fleet.root / "other-adapters", "other", 2, 91_000):
         publisher.publish(path, path.name, Tier.COLD)
         aliases.append(path.name)
+    pool_queue = queue_for(Tier.COLD, publisher.base_model.digest)
+    # Admitted before any worker of its base model lives (through the gateway that does not
+    # route, straight to the pool queue): the workers of the other base model never take them.
+    with fleet.client(routing=False) as api:
+        early = _open_loop(api, [aliases[i % 2] for i in range(6)], 6)
+    time.sleep(3)  # the three workers of the fixture model poll their own queues meanwhile
+    assert fleet.redis.llen(pool_queue) == len(early)
     own = fleet.spawn("other-0", {"LORAFLEET_MODEL": str(other)})
     own_id = fleet.stack.wait_worker(own)
     time.sleep(2)  # the gateways' next read of the fleet (every 0.5 s) sees it
     with fleet.client(routing=True) as api:
         ids = _open_loop(api, [aliases[i % 2] for i in range(20)], 4)
         mixed = _open_loop(api, _zipf(sorted(fleet.specs)[ADAPTERS_PER_PHASE:], 20, 5), 5)
-        jobs, others = _finished(api, ids), _finished(api, mixed)
+        jobs, others = _finished(api, early + ids), _finished(api, mixed)
     for job in jobs:
         assert job.status == JobStatus.SUCCEEDED, (job.id, job.error)
         assert job.worker == own_id and job.metadata is not None
+        assert job.queue == pool_queue
         assert job.metadata.base_model.digest == publisher.base_model.digest
         assert job.metadata.identity_verified
     assert all(job.status == JobStatus.SUCCEEDED and job.worker != own_id for job in others)
+
+
+def test_a_hot_adapter_published_or_retired_is_pinned_or_unpinned_on_the_live_workers(
+    fleet: RoutedFleet, fixtures_dir: Path
+) -> None:
+    """No restart: each live worker of the pool that takes the hot tier pins a hot adapter
+    published now (its jobs find it in a GPU slot and equal their PEFT reference), and
+    unpins it when it is retired, which frees the slot for the next one."""
+    oracle = PeftOracle(fixtures_dir)
+    base = (fixtures_dir / "base").resolve()
+    publisher = fleet.stack.publisher()
+    first, second = _adapters(base, fleet.root / "hot-adapters", "hot", 2, 95_000)
+    fleet.specs.update({first.name: first, second.name: second})
+    pool = [
+        w
+        for w in fleet.workers
+        if _announced(fleet, w)["base_model"]["digest"] == (publisher.base_model.digest)
+    ]
+    assert len(pool) >= 2
+    record = publisher.publish(first, first.name, Tier.HOT)
+
+    def pinned_everywhere(digest: str) -> bool:
+        return all(_announced(fleet, w)["adapters"].get(digest) == "pinned" for w in pool)
+
+    _wait(lambda: pinned_everywhere(record.digest), "every worker of the pool to pin it")
+    with fleet.client(routing=True) as api:
+        jobs = _finished(api, _open_loop(api, [first.name] * 8, 7))
+    _check_tokens(jobs, oracle, fleet)
+    assert {job.metadata.residency_before for job in jobs if job.metadata} == {"gpu"}
+    # One pin slot per worker here (LORAFLEET_MAX_LORAS=2): a second hot adapter is refused.
+    with pytest.raises(RegistryError) as refused:
+        publisher.publish(second, second.name, Tier.HOT)
+    assert refused.value.code == ErrorCode.PINS_EXCEED_SLOTS
+    publisher.registry.retire(first.name)
+    _wait(
+        lambda: all(_announced(fleet, w)["adapters"].get(record.digest) != "pinned" for w in pool),
+        "every worker to unpin the retired adapter",
+    )
+    assert all(_announced(fleet, w)["pinned"] == [] for w in pool)
+    replacement = publisher.publish(second, second.name, Tier.HOT)
+    _wait(lambda: pinned_everywhere(replacement.digest), "the freed slots to pin the next one")
+    with fleet.client(routing=True) as api:
+        jobs = _finished(api, _open_loop(api, [second.name] * 4, 8))
+    _check_tokens(jobs, oracle, fleet)
+    assert {job.metadata.residency_before for job in jobs if job.metadata} == {"gpu"}
+    publisher.registry.retire(second.name)
+
+
+def _announced(fleet: RoutedFleet, worker_id: str) -> dict[str, Any]:
+    raw = fleet.redis.get(worker_key(worker_id))
+    assert raw is not None, f"{worker_id} announces nothing"
+    record: dict[str, Any] = json.loads(str(raw))
+    return record
+
+
+def _wait(condition: Any, what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)

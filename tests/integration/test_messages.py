@@ -12,12 +12,14 @@ from redis import Redis
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import job_key
 from contracts.queues import RUN_JOB_TASK, Tier, queue_for
+from contracts.registry import BaseModelRef
 from lorafleet.stack import LocalStack
 
 
 def test_malformed_message_fails_its_job_with_internal_error(
-    stack: LocalStack, api: httpx.Client, redis: Redis
+    stack: LocalStack, api: httpx.Client, redis: Redis, base_model: BaseModelRef
 ) -> None:
+    cold = queue_for(Tier.COLD, base_model.digest)
     job = JobPublic(
         id=uuid.uuid4().hex,
         status=JobStatus.QUEUED,
@@ -25,7 +27,7 @@ def test_malformed_message_fails_its_job_with_internal_error(
         revision="sha256:" + "a" * 64,
         tenant="dev",
         tier=Tier.COLD,
-        queue=queue_for(Tier.COLD),
+        queue=cold,
         created_at=datetime.now(tz=UTC),
     )
     redis.hset(job_key(job.id), mapping={"status": "queued", "record": job.model_dump_json()})
@@ -33,7 +35,7 @@ def test_malformed_message_fails_its_job_with_internal_error(
     producer.send_task(
         RUN_JOB_TASK,
         args=[{"job_id": job.id, "prompt": "no adapter, no revision"}],
-        queue=queue_for(Tier.COLD),
+        queue=cold,
     )
     answer = api.get(f"/v1/jobs/{job.id}", params={"wait_s": 60}, timeout=90).json()
     assert answer["status"] == "failed"

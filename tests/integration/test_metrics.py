@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 
 from contracts import metrics as names
-from contracts.queues import Tier
+from contracts.queues import Tier, pool_id
 from contracts.registry import AdapterRecord
 from gateway.config import GatewaySettings
 from lorafleet.client import auth_headers
@@ -68,7 +68,9 @@ def test_metrics_count_a_mixed_workload(
         assert finished == count
         e2e = _delta(worker_before, worker_after, names.JOB_E2E + "_count", tier=tier)
         assert e2e == count
-        assert ("lorafleet_queue_depth", (("tier", tier),)) in gateway_after
+        base = next(r.base_model for r in published.values() if r.tier == tier)
+        pool_labels = {"base_model": base.id, "pool": pool_id(base.digest), "tier": tier}
+        assert (names.QUEUE_DEPTH, tuple(sorted(pool_labels.items()))) in gateway_after
     assert (
         _delta(gateway_before, gateway_after, names.ADMISSIONS_REFUSED, code="adapter_not_found")
         == 1

@@ -23,16 +23,19 @@ from redis import Redis
 from contracts import metrics as names
 from contracts.digests import manifest_of
 from contracts.jobs import JobStatus
-from contracts.keys import WORKERS_INDEX, worker_key
-from contracts.queues import Tier
+from contracts.keys import POOLS, WORKERS_INDEX, worker_key
+from contracts.queues import Tier, pool_id, queue_for
 from contracts.registry import AdapterRecord
+from contracts.routing import worker_queue
 from contracts.storage import blob_key
+from lorafleet.client import auth_headers
 from lorafleet.fixtures import AdapterSpec, write_adapter
 from lorafleet.publish import Publisher
 from lorafleet.stack import LocalStack, procfile_commands
+from lorafleet.tenants import Tenants
 from lorafleet.validation import ADAPTER_FILES
 from tests.conftest import STACK_ENV
-from tests.helpers import run_jobs, worker_heartbeat
+from tests.helpers import job_when, run_jobs, submit_job, worker_heartbeat
 from tests.oracle import PeftOracle
 
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -291,8 +294,8 @@ def test_a_worker_with_more_hot_adapters_than_it_can_pin_pins_what_fits_and_serv
         "LORAFLEET_HEARTBEAT_S": "1",
         "LORAFLEET_CACHE_DIR": str(tmp_path / "cache"),
         "LORAFLEET_WORKER_NAME": "overpinned@%h",
-        # Takes no tier: nothing is routed or delivered to it.
-        "LORAFLEET_QUEUES": "lorafleet.nothing",
+        # Only a worker that takes the hot tier pins (the test submits no job meanwhile).
+        "LORAFLEET_TIERS": "hot",
     }
     log = tmp_path / "worker.log"
     with log.open("w") as out:
@@ -335,18 +338,36 @@ def test_warm_adapters_are_preloaded_into_the_engine_cache_at_start(
     assert preloaded == warm[:room]
 
 
-def test_adapter_for_another_base_model_fails_before_any_load(
-    api: httpx.Client, publisher: Publisher, published: dict[str, AdapterRecord]
+def test_a_job_for_another_base_model_waits_in_its_pool_queue_untaken_by_this_ones_worker(
+    api: httpx.Client,
+    redis: Redis,
+    publisher: Publisher,
+    published: dict[str, AdapterRecord],
 ) -> None:
+    """Queues are per base model: the job waits for a worker of its own (a pool scaled from
+    zero starts one), the worker of the fixture model never sees it. Should a message reach a
+    worker of another base model all the same (pushed by hand onto its own queue here), the
+    worker refuses it before any load: ``base_model_mismatch``."""
     source = published["lora-05-r4-qkvo"]
-    foreign = source.model_copy(
-        update={
-            "alias": "foreign-base",
-            "base_model": source.base_model.model_copy(update={"digest": "sha256:" + "f" * 64}),
-        }
+    foreign_base = source.base_model.model_copy(
+        update={"id": "another-model", "digest": "sha256:" + "f" * 64}
     )
+    foreign = source.model_copy(update={"alias": "foreign-base", "base_model": foreign_base})
     publisher.registry.register(foreign)
-    (job,) = run_jobs(api, [("foreign-base", PROMPT)], GREEDY)
+    assert redis.hget(POOLS, pool_id(foreign_base.digest)) == foreign_base.model_dump_json()
+    accepted = submit_job(api, "foreign-base", prompt=PROMPT, sampling=GREEDY)
+    own_pool = queue_for(foreign.tier, foreign_base.digest)
+    assert accepted["queue"] == own_pool
+    time.sleep(2)  # the fixture model's worker polls its own queues meanwhile
+    assert redis.llen(own_pool) == 1
+    assert api.get(f"/v1/jobs/{accepted['id']}").json()["status"] == "queued"
+    _, operator = Tenants(redis).create(f"ops-{time.monotonic_ns()}", operator=True)
+    fleet = httpx.get(f"{api.base_url}v1/fleet", headers=auth_headers(operator), timeout=30)
+    (waiting,) = [t for t in fleet.json()["tiers"] if t["queue"] == own_pool]
+    assert waiting["admitted_unfinished"] == 1 and waiting["workers"] == []
+    # pushed onto the fixture model's worker's own queue instead: refused before any load
+    redis.lmove(own_pool, worker_queue(worker_heartbeat(redis)["worker_id"]), "RIGHT", "LEFT")
+    job = job_when(redis, accepted["id"], lambda j: j.status.terminal, timeout_s=120)
     assert job.status == JobStatus.FAILED
     assert job.error is not None and job.error.code == "base_model_mismatch"
     assert job.metadata is not None and job.metadata.load_ms.engine_load is None

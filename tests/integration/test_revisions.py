@@ -19,7 +19,6 @@ from tests.oracle import PeftOracle
 
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 PROMPT = "Extract the total amount"
-COLD = queue_for(Tier.COLD)
 
 
 def _submit(api: httpx.Client, name: str) -> dict[str, object]:
@@ -54,10 +53,11 @@ def test_jobs_queued_before_a_channel_moves_run_on_their_admitted_revision(
     first = publisher.publish(adapters / "lora-02-r4-qv", "rev-move-a", Tier.COLD)
     second = publisher.publish(adapters / "lora-07-r8-qkvo", "rev-move-b", Tier.COLD)
     publisher.registry.set_channel("rev-move", first.alias)
+    cold = queue_for(Tier.COLD, first.base_model.digest)
 
-    with paused(stack, COLD):
+    with paused(stack, cold):
         before = [_submit(api, "rev-move") for _ in range(3)]
-        assert redis.llen(COLD) == 3  # really queued, not running
+        assert redis.llen(cold) == 3  # really queued, not running
         publisher.registry.set_channel("rev-move", second.alias)
         after = [_submit(api, "rev-move") for _ in range(3)]
     assert {job["revision"] for job in before} == {first.digest}
@@ -90,21 +90,22 @@ def test_retired_alias_refuses_new_jobs_but_runs_queued_ones(
         fixtures_dir / "adapters" / "lora-11-r8-qkvo", "rev-retire", Tier.COLD
     )
     publisher.registry.set_channel("rev-retire-chan", record.alias)
-    with paused(stack, COLD):
+    cold = queue_for(Tier.COLD, record.base_model.digest)
+    with paused(stack, cold):
         queued = _submit(api, record.alias)
         # A receive the pause caught mid-poll hands its message back to the list: count
         # once the job is visibly waiting there.
         deadline = time.monotonic() + 30
-        while not redis.llen(COLD):
+        while not redis.llen(cold):
             assert time.monotonic() < deadline, "the job never showed up in its queue"
             time.sleep(0.05)
-        before = redis.llen(COLD)
+        before = redis.llen(cold)
         publisher.registry.retire(record.alias)
         for name in (record.alias, "rev-retire-chan"):
             refused = api.post("/v1/jobs", json={"adapter": name, "prompt": PROMPT})
             assert refused.status_code == 410
             assert refused.json()["error"]["code"] == "adapter_retired"
-        assert redis.llen(COLD) == before  # nothing enqueued
+        assert redis.llen(cold) == before  # nothing enqueued
     (job,) = _finish(api, [str(queued["id"])])
     assert job["status"] == "succeeded"
     assert job["result"]["token_ids"] == list(oracle.tokens("lora-11-r8-qkvo", PROMPT, 8))  # type: ignore[index]

@@ -14,15 +14,15 @@ from redis import Redis
 
 from contracts.jobs import JobMessage, JobPublic, JobStatus, Sampling
 from contracts.keys import job_key
-from contracts.queues import RUN_JOB_TASK
+from contracts.queues import RUN_JOB_TASK, queue_for
 from contracts.registry import AdapterRecord
+from contracts.routing import worker_queue
 from lorafleet.stack import LocalStack
 from tests.conftest import STACK_ENV
 from tests.helpers import hot_alias, job_when
 from tests.sentry_server import recording_sentry, sentry_events
 
 SECRET = "SECRET-PROMPT-7f3a"
-QUEUE = "lorafleet.sentry-test"
 
 
 def test_an_unexpected_worker_error_reaches_sentry_tagged_and_without_the_prompt(
@@ -34,7 +34,8 @@ def test_an_unexpected_worker_error_reaches_sentry_tagged_and_without_the_prompt
             {
                 **STACK_ENV,
                 "SENTRY_DSN": dsn,
-                "LORAFLEET_QUEUES": QUEUE,
+                # No tier: it takes only what is pushed onto its own queue.
+                "LORAFLEET_TIERS": "",
                 "LORAFLEET_WORKER_NAME": "sentry-worker@%h",
                 # One worker process per disk cache directory.
                 "LORAFLEET_CACHE_DIR": str(tmp_path / "cache"),
@@ -42,7 +43,7 @@ def test_an_unexpected_worker_error_reaches_sentry_tagged_and_without_the_prompt
             name="sentry-worker",
         )
         try:
-            stack.wait_worker(worker)
+            own_queue = worker_queue(stack.wait_worker(worker))
             now = time.time()
             job = JobPublic(
                 id=uuid.uuid4().hex,
@@ -51,7 +52,7 @@ def test_an_unexpected_worker_error_reaches_sentry_tagged_and_without_the_prompt
                 adapter=record.alias,
                 revision=record.digest,
                 tier=record.tier,
-                queue=QUEUE,
+                queue=queue_for(record.tier, record.base_model.digest),
                 created_at=datetime.now(tz=UTC),
             )
             redis.hset(
@@ -72,7 +73,10 @@ def test_an_unexpected_worker_error_reaches_sentry_tagged_and_without_the_prompt
                 deadline_at=now + 120,
             )
             Celery(broker=stack.redis_url).send_task(
-                RUN_JOB_TASK, args=[message.model_dump(mode="json")], queue=QUEUE, task_id=job.id
+                RUN_JOB_TASK,
+                args=[message.model_dump(mode="json")],
+                queue=own_queue,
+                task_id=job.id,
             )
             failed = job_when(redis, job.id, lambda j: j.status.terminal, timeout_s=120)
             assert failed.error is not None and failed.error.code == "engine_error"

@@ -14,7 +14,7 @@ from redis import Redis
 from contracts import admission
 from contracts.batches import BatchLine, BatchRecord
 from contracts.jobs import JobPublic, JobStatus
-from contracts.keys import DEADLINES, job_key, tenant_ledger_key, tier_ledger_key
+from contracts.keys import DEADLINES, job_key, queue_ledger_key, tenant_ledger_key
 from contracts.queues import queue_for
 from contracts.registry import AdapterRecord
 from contracts.webhooks import WebhookTarget, batch_event_id, job_event_id
@@ -35,7 +35,7 @@ def _job(record: AdapterRecord, deadline_at: float, **fields: object) -> JobPubl
         adapter=record.alias,
         revision=record.digest,
         tier=record.tier,
-        queue=queue_for(record.tier),
+        queue=queue_for(record.tier, record.base_model.digest),
         created_at=datetime.fromtimestamp(now, tz=UTC),
         deadline_at=datetime.fromtimestamp(deadline_at, tz=UTC),
         **fields,  # type: ignore[arg-type]
@@ -78,7 +78,7 @@ def test_jobs_admitted_but_never_enqueued_end_at_their_deadline(
         )
         keys, args = admission.admit_batch_call(batch, batched, lines, expires_at, limits, 3600)
         reply = redis.register_script(admission.ADMIT_BATCH)(keys=keys, args=args)
-        assert admission.batch_verdict(reply)[0].refusal is None
+        assert admission.batch_verdict(reply, batched)[0].refusal is None
 
         # First in the index: a record this version cannot read (written by hand, or by
         # another version). It must not stop the sweeps of the jobs behind it.
@@ -102,6 +102,6 @@ def test_jobs_admitted_but_never_enqueued_end_at_their_deadline(
         time.sleep(2)  # a second sweep or a second call would show by now
         assert len(receiver.calls_for(job_event_id(single.id))) == 1
         assert len(receiver.calls_for(batch_event_id(batch_id))) == 1
-    for key in (tier_ledger_key(record.tier.value), tenant_ledger_key(DEV_TENANT), DEADLINES):
+    for key in (queue_ledger_key(single.queue), tenant_ledger_key(DEV_TENANT), DEADLINES):
         assert not {job.id for job in jobs} & set(redis.zrange(key, 0, -1))  # type: ignore[arg-type]
     assert redis.zscore(DEADLINES, unreadable) is None  # dropped from the index, logged

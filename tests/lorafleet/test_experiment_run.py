@@ -164,7 +164,9 @@ def test_reset_trials_start_cold_and_the_reversal_moves_the_popular_adapter(
     assert first.residency_before == "remote"
     resets = {(r.offered_rate, r.repetition) for r in reset_single}
     for rate, repetition in resets:
-        one_reset = [r for r in reset_single if (r.offered_rate, r.repetition) == (rate, repetition)]
+        one_reset = [
+            r for r in reset_single if (r.offered_rate, r.repetition) == (rate, repetition)
+        ]
         fetched = [r for r in one_reset if r.load_ms.get("fetch") is not None]
         assert len(fetched) == 1, [(r.seq, r.residency_before, r.load_ms) for r in one_reset]
         assert fetched[0].residency_before == "remote"

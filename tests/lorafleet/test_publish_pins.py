@@ -15,8 +15,8 @@ from redis import Redis
 
 from contracts.digests import manifest_of
 from contracts.errors import ErrorCode
-from contracts.keys import WORKERS_INDEX, worker_key
-from contracts.queues import Tier, queue_for
+from contracts.keys import POOLS, WORKERS_INDEX, worker_key
+from contracts.queues import Tier, pool_id, queue_for
 from contracts.storage import blob_key
 from lorafleet.fixtures import AdapterSpec, write_adapter
 from lorafleet.publish import Publisher
@@ -75,13 +75,17 @@ def test_a_hot_adapter_beyond_the_pools_pins_is_refused_before_anything_is_publi
     registry = Registry(private)
     publisher = fixture_publisher(registry, infra, fixtures_dir)
     first, second, third, fourth = _adapters(tmp_path, fixtures_dir, 4)
-    hot = queue_for(Tier.HOT)
+    base = publisher.base_model.digest
+    hot = queue_for(Tier.HOT, base)
     # Two workers of the pool: the one with 3 slots pins 2, the one with 2 pins 1.
-    _announce(private, publisher, "h:1:a", 3, f"{hot},{queue_for(Tier.WARM)}")
+    _announce(private, publisher, "h:1:a", 3, f"{hot},{queue_for(Tier.WARM, base)}")
     _announce(private, publisher, "h:2:b", 2, hot)
     # A worker that does not take the hot queue does not pin: it does not count.
-    _announce(private, publisher, "h:3:c", 1, queue_for(Tier.COLD))
+    _announce(private, publisher, "h:3:c", 1, queue_for(Tier.COLD, base))
+    assert private.hget(POOLS, pool_id(base)) is None
     publisher.publish(first, "pin-a", Tier.HOT)
+    # publishing made the pool known (the gateways report and scale it from now on)
+    assert private.hget(POOLS, pool_id(base)) == publisher.base_model.model_dump_json()
     assert publisher.publish(first, "pin-a", Tier.HOT).alias == "pin-a"  # the same again
     with pytest.raises(RegistryError) as refused:
         publisher.publish(second, "pin-b", Tier.HOT)

@@ -23,14 +23,14 @@ from redis import Redis
 from contracts import metrics
 from contracts.errors import ErrorCode
 from contracts.keys import ADAPTERS_INDEX, adapter_key
-from contracts.queues import Tier, queue_for
+from contracts.queues import Tier
 from contracts.registry import AdapterRecord, UnreadableRecord
 from gateway.app import create_app
 from gateway.config import GatewaySettings
 from lorafleet.registry import Registry, RegistryError
 from lorafleet.stack import LOCAL_AWS, LocalStack
 from lorafleet.tenants import Tenants
-from tests.helpers import fixture_publisher, job_records
+from tests.helpers import fixture_publisher, job_records, queued_messages
 from worker.registry import preload_sets
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,8 +86,7 @@ def _job(adapter: str) -> dict[str, Any]:
 
 def _enqueued(redis: Redis) -> tuple[int, int]:
     """Job records and queued messages: what an admission leaves behind."""
-    queued = sum(int(redis.llen(queue_for(tier))) for tier in Tier)  # type: ignore[arg-type]
-    return job_records(redis), queued
+    return job_records(redis), queued_messages(redis)
 
 
 def test_the_gateway_lists_and_admits_the_others_and_refuses_only_the_bad_one(

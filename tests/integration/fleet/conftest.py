@@ -22,8 +22,9 @@ import psutil
 import pytest
 from celery import Celery
 
+from contracts.digests import manifest_of
 from contracts.jobs import JobPublic
-from contracts.keys import STREAM_END, stream_key, tenant_ledger_key, tier_ledger_key
+from contracts.keys import STREAM_END, queue_ledger_key, stream_key, tenant_ledger_key
 from contracts.queues import Tier, queue_for
 from lorafleet.fixtures import AdapterSpec
 from lorafleet.processes import Child
@@ -60,7 +61,6 @@ FLEET_ENV = {
     "LORAFLEET_SWEEP_INTERVAL_S": "1",
     "LORAFLEET_SWEEP_GRACE_S": "2",
 }
-QUEUE = queue_for(Tier.HOT)
 REPLY_S = 10.0
 """How long a remote-control command waits for the workers' replies."""
 RECONNECT_S = 90.0
@@ -78,6 +78,9 @@ class Fleet:
         self.api = api  # the stack's gateway, as its ``dev`` tenant
         self.redis = stack.redis()
         self._spawned = 0
+        base = manifest_of(stack.model).digest()
+        self.queue = queue_for(Tier.HOT, base)
+        """The hot pool queue the fleet's workers take (the tests' adapter is hot)."""
 
     def spawn_worker(
         self, env: dict[str, str] | None = None, wrapper: list[str] | None = None
@@ -119,7 +122,7 @@ class Fleet:
             # URL, and a connection pooled before a Redis restart fails its next health check.
             with app.connection_for_write() as connection:
                 replies = getattr(app.control, command)(
-                    QUEUE,
+                    self.queue,
                     destination=sorted(pending),
                     reply=True,
                     timeout=REPLY_S,
@@ -200,8 +203,8 @@ class Fleet:
         return sum(int(self.redis.exists(key)) for key in UNACKED)
 
     def admitted(self) -> dict[str, int]:
-        """Jobs counted against the admission limits (tier and tenant ledgers)."""
-        keys = {"tier": tier_ledger_key(Tier.HOT.value), "tenant": tenant_ledger_key(DEV_TENANT)}
+        """Jobs counted against the admission limits (pool queue and tenant ledgers)."""
+        keys = {"tier": queue_ledger_key(self.queue), "tenant": tenant_ledger_key(DEV_TENANT)}
         return {name: int(self.redis.zcard(key)) for name, key in keys.items()}  # type: ignore[arg-type]
 
     def stream_attempts(self, job_id: str) -> set[str]:

@@ -19,7 +19,6 @@ from lorafleet.processes import Child
 from tests.helpers import job_when, submit_job, terminal_events
 from tests.integration.fleet.conftest import (
     MAX_ATTEMPTS,
-    QUEUE,
     Fleet,
     kill_group,
 )
@@ -56,7 +55,7 @@ def test_worker_killed_mid_job_its_jobs_run_again_elsewhere_exactly_once(fleet: 
     assert {job_id: counts[job_id] for job_id in accepted} == dict.fromkeys(accepted, 1)
     events.close()
     assert fleet.unacked() == 0
-    assert fleet.redis.llen(QUEUE) == 0
+    assert fleet.redis.llen(fleet.queue) == 0
     # Redelivery released the admission slots once each: the counts are back to zero.
     assert fleet.admitted() == {"tier": 0, "tenant": 0}
     fleet.replace([victim])
@@ -114,7 +113,7 @@ def test_sigterm_drains_a_batch_of_running_jobs_and_exits_zero(fleet: Fleet) -> 
             assert job.worker == target_id
             assert job.attempts == 1
         assert fleet.unacked() == 0
-        assert fleet.redis.llen(QUEUE) == 0
+        assert fleet.redis.llen(fleet.queue) == 0
     finally:
         fleet.resume([other])
     fleet.replace([target])
@@ -135,7 +134,7 @@ def test_sigterm_past_the_drain_timeout_hands_running_jobs_to_another_worker(
         for job_id in batch:  # handed back: queued again, the interrupted attempt uncounted
             job = fleet.job(job_id)
             assert (job.status, job.attempts) == ("queued", 0), job.model_dump_json()
-        assert fleet.redis.llen(QUEUE) == len(batch)
+        assert fleet.redis.llen(fleet.queue) == len(batch)
         assert fleet.unacked() == 0
     finally:
         fleet.resume(others)
@@ -157,16 +156,19 @@ def test_jobs_queued_before_a_redis_restart_run_after_it(fleet: Fleet) -> None:
     # already waiting may still take a job. Those left are what the restart must keep.
     time.sleep(2)
     waiting = sum(fleet.job(job_id).status == "queued" for job_id in queued)
-    assert waiting >= 3 and fleet.redis.llen(QUEUE) == waiting
+    assert waiting >= 3 and fleet.redis.llen(fleet.queue) == waiting
 
     fleet.stack.restart_redis()  # clean shutdown; the append-only file brings the queue back
-    assert fleet.redis.llen(QUEUE) == waiting
+    assert fleet.redis.llen(fleet.queue) == waiting
     # The workers reconnect on their own; once their control channel is back, resume.
     deadline = time.monotonic() + 90
     while True:
         control = Celery(broker=fleet.stack.redis_url).control  # a fresh broker connection
         try:
-            if len(control.add_consumer(QUEUE, destination=nodes, reply=True, timeout=2)) == 2:
+            if (
+                len(control.add_consumer(fleet.queue, destination=nodes, reply=True, timeout=2))
+                == 2
+            ):
                 break
         except (ConnectionError, OSError, RedisError, OperationalError):
             pass

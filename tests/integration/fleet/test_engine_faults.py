@@ -13,7 +13,6 @@ from lorafleet.processes import Child
 from tests.helpers import submit_job, terminal_events
 from tests.integration.fleet.conftest import (
     MAX_ATTEMPTS,
-    QUEUE,
     Fleet,
     StreamingCompletion,
     engine_core,
@@ -67,7 +66,7 @@ def _assert_handed_over(fleet: Fleet, jobs: list[str], failed_id: str, events: o
     counts = terminal_events(events)
     assert {job_id: counts[job_id] for job_id in jobs} == dict.fromkeys(jobs, 1)
     assert fleet.unacked() == 0
-    assert fleet.redis.llen(QUEUE) == 0
+    assert fleet.redis.llen(fleet.queue) == 0
     assert fleet.admitted() == {"tier": 0, "tenant": 0}
     assert not fleet.redis.exists(held_key(failed_id))
     assert worker_record(fleet, failed_id) is None

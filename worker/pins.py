@@ -1,0 +1,147 @@
+"""A worker's pinned adapters follow its pool's hot adapters while it runs.
+
+At start the worker pins the hot adapters of its base model (if it takes the hot tier) in
+``LORAFLEET_MAX_LORAS - 1`` GPU slots. Afterwards every registry change that can change them
+(a publish, a retirement) bumps ``lorafleet:registry-version``; the keeper reads that counter
+every ``LORAFLEET_PIN_CHECK_S`` (one GET) and, when it moved, compares the pins with the hot
+adapters of the base model now: a new one is pinned live (``EngineAdapters.pin_live``: it
+waits for a GPU slot like a job, so no generating job loses its adapter), a retired one is
+unpinned (``EngineAdapters.unpin``). Pins that are still hot stay; new ones fill the free
+slots in alias order (publishing refuses more than fit, ``pins_exceed_slots``; a registry
+written while no worker lived may hold more: the rest are served unpinned, and logged).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import ExitStack
+
+from redis import Redis
+
+from contracts.keys import REGISTRY_VERSION
+from contracts.registry import AdapterRecord
+from worker import metrics
+from worker.adapter_cache import AdapterCache
+from worker.background import Periodic
+from worker.errors import JobFailure
+from worker.registry import preload_sets
+from worker.residency import EngineAdapters
+
+log = logging.getLogger(__name__)
+
+LIVE_PIN_TIMEOUT_S = 300.0
+"""How long a live pin or unpin may wait (for a GPU slot, the download, the jobs on it)."""
+
+
+class Pins(Periodic):
+    """The adapters this worker has pinned, kept equal to its pool's hot ones while it runs."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        adapters: EngineAdapters,
+        cache: AdapterCache,
+        base_digest: str,
+        takes_hot: bool,
+        max_loras: int,
+        interval_s: float,
+        on_change: Callable[[], None],
+    ) -> None:
+        super().__init__("pins", interval_s)
+        self._redis = redis
+        self._adapters = adapters
+        self._cache = cache
+        self._base_digest = base_digest
+        self._takes_hot = takes_hot
+        self._room = max_loras - 1  # one slot stays free for every other adapter
+        self._on_change = on_change
+        self._pinned: dict[str, tuple[str, ExitStack]] = {}  # digest -> (engine name, hold)
+        self._seen_version: str | None = None
+        self._stale = True
+
+    @property
+    def names(self) -> list[str]:
+        """Engine names (``alias@digest prefix``) of the pinned adapters, in pin order."""
+        return [name for name, _ in self._pinned.values()]
+
+    def desired(self) -> tuple[list[AdapterRecord], list[AdapterRecord]]:
+        """The registry's active hot adapters of this base model this worker should pin (none
+        if it does not take the hot tier) and those beyond its slots; the registry version
+        read first, so a change while this runs is seen next time."""
+        self._seen_version = self._version()
+        hot, _ = preload_sets(self._redis, self._base_digest)
+        if not self._takes_hot:
+            return [], []
+        keep = [record for record in hot if record.digest in self._pinned]
+        new = [record for record in hot if record.digest not in self._pinned]
+        room = max(0, self._room - len(keep))
+        return [*keep, *new[:room]], new[room:]
+
+    def pin_at_start(self, records: list[AdapterRecord]) -> None:
+        """Pin ``records`` before the worker takes jobs."""
+        for record in records:
+            self._pin(record, live=False)
+        self._stale = False
+
+    def step(self) -> None:
+        if self._stale or self._version() != self._seen_version:
+            self.reconcile()
+
+    def reconcile(self) -> None:
+        """Pin what became hot, unpin what no longer is."""
+        self._stale = True  # until this pass has ended without an error
+        wanted, beyond = self.desired()
+        if beyond:
+            log.error(
+                "%d hot adapters beyond this worker's %d pin slots: %s served unpinned",
+                len(beyond),
+                self._room,
+                ", ".join(record.alias for record in beyond),
+            )
+        wanted_digests = {record.digest for record in wanted}
+        for digest in [d for d in self._pinned if d not in wanted_digests]:
+            name, hold = self._pinned[digest]
+            self._adapters.unpin(digest, LIVE_PIN_TIMEOUT_S)
+            del self._pinned[digest]
+            hold.close()
+            log.info("unpinned %s (no longer a hot adapter of this pool)", name)
+            self._changed()
+        for record in wanted:
+            if record.digest not in self._pinned:
+                self._pin(record, live=True)
+        self._stale = False
+
+    def _pin(self, record: AdapterRecord, live: bool) -> None:
+        hold = ExitStack()
+        hold.enter_context(self._cache.hold(record.digest))
+        try:
+            if live:
+                resident = self._adapters.pin_live(record.alias, record.digest, LIVE_PIN_TIMEOUT_S)
+            else:
+                resident = self._adapters.pin(record.alias, record.digest)
+        except JobFailure as failure:
+            hold.close()
+            log.error("hot adapter %s not pinned: %s", record.alias, failure.message)
+            return
+        except BaseException:
+            hold.close()
+            raise
+        self._pinned[record.digest] = (resident.request.lora_name, hold)
+        if live:
+            log.info("pinned %s (published hot while this worker runs)", resident.request.lora_name)
+        self._changed()
+
+    def _changed(self) -> None:
+        metrics.RESIDENT.labels("gpu").set(len(self._pinned))
+        self._on_change()
+
+    def _version(self) -> str | None:
+        raw = self._redis.get(REGISTRY_VERSION)
+        return None if raw is None else str(raw)
+
+    def close(self) -> None:
+        super().close()
+        for _, hold in self._pinned.values():
+            hold.close()
+        self._pinned.clear()
