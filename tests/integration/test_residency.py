@@ -362,7 +362,7 @@ def test_a_job_for_another_base_model_waits_in_its_pool_queue_untaken_by_this_on
     assert redis.llen(own_pool) == 1
     assert api.get(f"/v1/jobs/{accepted['id']}").json()["status"] == "queued"
     _, operator = Tenants(redis).create(f"ops-{time.monotonic_ns()}", operator=True)
-    fleet = httpx.get(f"{api.base_url}v1/fleet", headers=auth_headers(operator), timeout=30)
+    fleet = httpx.get(api.base_url.join("/v1/fleet"), headers=auth_headers(operator), timeout=30)
     (waiting,) = [t for t in fleet.json()["tiers"] if t["queue"] == own_pool]
     assert waiting["admitted_unfinished"] == 1 and waiting["workers"] == []
     # pushed onto the fixture model's worker's own queue instead: refused before any load
