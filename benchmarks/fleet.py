@@ -6,7 +6,7 @@ decode; ``max_loras`` GPU slots, an LRU CPU cache and disk cache). Everything el
 Valkey server, two gateway processes (routing on and off) admitting every job over HTTP, the
 admission script pushing each message onto the queue routing chose, and the simulated workers
 announcing what they hold exactly as ``worker.runtime`` does and taking jobs from their own
-queue and their tier's shared queue. This measures the routing policy and its plumbing at
+queue and their pool's shared queue. This measures the routing policy and its plumbing at
 fleet scale; it proves nothing about correctness (the integration tests do that, with real
 vLLM workers: ``tests/integration/test_fleet_routing.py``).
 

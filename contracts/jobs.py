@@ -88,7 +88,7 @@ class Routed(BaseModel):
 
 
 class JobMessage(BaseModel):
-    """What the gateway puts on a tier queue: the revision is fixed at admission."""
+    """What the gateway puts on a pool queue (or a worker's own): the revision is fixed at admission."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -186,7 +186,7 @@ class ResultMetadata(BaseModel):
     routed: RoutedAs = Field(
         default="shared",
         description="where the gateway sent it: `resident` (the own queue of a worker holding "
-        "its adapter), `placed` (of the worker chosen to hold it), `shared` (the tier's queue)",
+        "its adapter), `placed` (of the worker chosen to hold it), `shared` (its pool queue)",
     )
     routed_to: str | None = Field(
         default=None,

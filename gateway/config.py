@@ -104,7 +104,7 @@ class GatewaySettings(ServiceSettings):
     routing: bool = Field(
         default=True,
         description="Route each job to a worker that holds its adapter (or is chosen to), "
-        "through that worker's own queue; off: every job goes to its tier's shared queue. "
+        "through that worker's own queue; off: every job goes to its pool queue. "
         'The policy: README, "Routing".',
     )
     route_max_copies: int = Field(

@@ -1,6 +1,6 @@
 """The gateway's Prometheus metrics (``GET /metrics``): what it admits and refuses, and, read
-from Redis at each scrape, each tier's queue depth, admitted-unfinished jobs and the age of
-its oldest waiting job. Each app has its own registry (several apps may share a process)."""
+from Redis at each scrape, each pool queue's depth (a tier of one base model's pool),
+admitted-unfinished jobs and the age of its oldest waiting job. Each app has its own registry (several apps may share a process)."""
 
 from __future__ import annotations
 
@@ -102,7 +102,11 @@ class GatewayMetrics:
         self.finished.labels(tier.value, "cancelled", "cancelled").inc()
 
     async def render(self, redis: Redis) -> bytes:
-        for state in await queue_states(redis, time.time()):
+        states = await queue_states(redis, time.time())
+        # Only the pool queues Redis knows now (no label set outlives its pool's entry).
+        for gauge in (self.queue_depth, self.unfinished, self.oldest_age):
+            gauge.clear()
+        for state in states:
             labels = (state.tier.value, state.pool, state.base_model.id)
             self.queue_depth.labels(*labels).set(state.queue_depth)
             self.unfinished.labels(*labels).set(state.admitted_unfinished)

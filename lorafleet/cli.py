@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from contracts.errors import ErrorCode
-from contracts.queues import Tier
+from contracts.queues import Tier, queue_for
 from contracts.registry import UnreadableRecord
 from lorafleet.processes import interrupt_on_signal
 from lorafleet.registry import Registry, RegistryError
@@ -147,6 +147,15 @@ def adapters_list() -> None:
             f"{entry.alias}\t{entry.tier}\t{state}\t{entry.digest}\t"
             f"rank {entry.rank}\t{entry.size_bytes} bytes"
         )
+
+
+@app.command("pools")
+def pools() -> None:
+    """List the pools (one per base model): pool id, base model id and digest, and the
+    queues of its tiers. A pool's metrics carry ``pool="<id>"``: scale its workers on that."""
+    for pool, base in _registry(_settings()).pools().items():
+        queues = " ".join(queue_for(tier, base.digest) for tier in Tier)
+        console.print(f"{pool}\t{base.id}\t{base.digest}\t{queues}", markup=False, soft_wrap=True)
 
 
 @adapters_app.command("show")

@@ -26,7 +26,13 @@ from contracts.keys import (
     worker_key,
 )
 from contracts.queues import Tier, pool_id, queue_for
-from contracts.registry import SLUG_PATTERN, AdapterRecord, UnreadableRecord, read_record
+from contracts.registry import (
+    SLUG_PATTERN,
+    AdapterRecord,
+    BaseModelRef,
+    UnreadableRecord,
+    read_record,
+)
 
 Entry = AdapterRecord | UnreadableRecord
 """What an alias's key holds: a record, or the reason it does not parse."""
@@ -37,7 +43,7 @@ local existing = redis.call('GET', KEYS[1])
 if existing then return {'exists', existing} end
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('SADD', KEYS[3], ARGV[2])
-redis.call('HSET', KEYS[4], ARGV[3], ARGV[4])
+redis.call('HSETNX', KEYS[4], ARGV[3], ARGV[4])
 redis.call('INCR', KEYS[5])
 return {'ok'}
 """
@@ -165,6 +171,17 @@ class Registry:
             if entry.tier == Tier.HOT and entry.base_model.digest == base_digest:
                 hot.setdefault(entry.digest, entry.alias)
         return min(slots) - 1, hot
+
+    def pools(self) -> dict[str, BaseModelRef]:
+        """Pool id -> base model of every known pool (``POOLS``), by pool id; an entry that
+        does not parse is left out."""
+        found = {}
+        for key, raw in self._redis.hgetall(POOLS).items():  # type: ignore[union-attr]
+            try:
+                found[_text(key)] = BaseModelRef.model_validate_json(_text(raw))
+            except ValueError:
+                continue
+        return dict(sorted(found.items()))
 
     def retired(self) -> set[str]:
         return {_text(a) for a in self._redis.smembers(RETIRED_INDEX)}  # type: ignore[union-attr]

@@ -14,6 +14,8 @@ written while no worker lived may hold more: the rest are served unpinned, and l
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 
@@ -31,7 +33,9 @@ from worker.residency import EngineAdapters
 log = logging.getLogger(__name__)
 
 LIVE_PIN_TIMEOUT_S = 300.0
-"""How long a live pin or unpin may wait (for a GPU slot, the download, the jobs on it)."""
+"""How long a live pin may wait (for its download and a GPU slot); then it is tried again."""
+RETRY_FAILED_S = 30.0
+"""A pin that failed (download, verification, the engine) is tried again this much later."""
 
 
 class Pins(Periodic):
@@ -56,14 +60,18 @@ class Pins(Periodic):
         self._takes_hot = takes_hot
         self._room = max_loras - 1  # one slot stays free for every other adapter
         self._on_change = on_change
-        self._pinned: dict[str, tuple[str, ExitStack]] = {}  # digest -> (engine name, hold)
+        # digest -> (engine name, disk hold); changed by this thread, read by the heartbeat's
+        self._pinned: dict[str, tuple[str, ExitStack]] = {}
+        self._lock = threading.Lock()
         self._seen_version: str | None = None
         self._stale = True
+        self._retry_at = 0.0
 
     @property
     def names(self) -> list[str]:
         """Engine names (``alias@digest prefix``) of the pinned adapters, in pin order."""
-        return [name for name, _ in self._pinned.values()]
+        with self._lock:
+            return [name for name, _ in self._pinned.values()]
 
     def desired(self) -> tuple[list[AdapterRecord], list[AdapterRecord]]:
         """The registry's active hot adapters of this base model this worker should pin (none
@@ -73,23 +81,31 @@ class Pins(Periodic):
         hot, _ = preload_sets(self._redis, self._base_digest)
         if not self._takes_hot:
             return [], []
-        keep = [record for record in hot if record.digest in self._pinned]
-        new = [record for record in hot if record.digest not in self._pinned]
+        with self._lock:
+            pinned = set(self._pinned)
+        keep = [record for record in hot if record.digest in pinned]
+        new = [record for record in hot if record.digest not in pinned]
         room = max(0, self._room - len(keep))
         return [*keep, *new[:room]], new[room:]
 
     def pin_at_start(self, records: list[AdapterRecord]) -> None:
-        """Pin ``records`` before the worker takes jobs."""
+        """Pin ``records`` before the worker takes jobs (one that fails is tried again live,
+        ``RETRY_FAILED_S`` later)."""
+        failed = False
         for record in records:
-            self._pin(record, live=False)
-        self._stale = False
+            failed = not self._pin(record, live=False) or failed
+        self._stale = failed
+        self._retry_at = time.monotonic() + RETRY_FAILED_S
 
     def step(self) -> None:
-        if self._stale or self._version() != self._seen_version:
+        if self._version() != self._seen_version or (
+            self._stale and time.monotonic() >= self._retry_at
+        ):
             self.reconcile()
 
     def reconcile(self) -> None:
-        """Pin what became hot, unpin what no longer is."""
+        """Pin what became hot, unpin what no longer is. A pass that did not end with every
+        pin in place is tried again (a failed pin ``RETRY_FAILED_S`` later)."""
         self._stale = True  # until this pass has ended without an error
         wanted, beyond = self.desired()
         if beyond:
@@ -100,19 +116,32 @@ class Pins(Periodic):
                 ", ".join(record.alias for record in beyond),
             )
         wanted_digests = {record.digest for record in wanted}
-        for digest in [d for d in self._pinned if d not in wanted_digests]:
-            name, hold = self._pinned[digest]
-            self._adapters.unpin(digest, LIVE_PIN_TIMEOUT_S)
-            del self._pinned[digest]
+        with self._lock:
+            gone = [d for d in self._pinned if d not in wanted_digests]
+        for digest in gone:
+            if self.stopping.is_set():
+                return
+            self._adapters.unpin(digest)
+            with self._lock:
+                name, hold = self._pinned.pop(digest)
             hold.close()
             log.info("unpinned %s (no longer a hot adapter of this pool)", name)
             self._changed()
+        failed = False
         for record in wanted:
-            if record.digest not in self._pinned:
-                self._pin(record, live=True)
+            if self.stopping.is_set():
+                return
+            with self._lock:
+                pinned = record.digest in self._pinned
+            if not pinned:
+                failed = not self._pin(record, live=True) or failed
+        if failed:
+            self._retry_at = time.monotonic() + RETRY_FAILED_S
+            return
         self._stale = False
 
-    def _pin(self, record: AdapterRecord, live: bool) -> None:
+    def _pin(self, record: AdapterRecord, live: bool) -> bool:
+        """Pin ``record`` (False: it could not be, logged)."""
         hold = ExitStack()
         hold.enter_context(self._cache.hold(record.digest))
         try:
@@ -123,17 +152,19 @@ class Pins(Periodic):
         except JobFailure as failure:
             hold.close()
             log.error("hot adapter %s not pinned: %s", record.alias, failure.message)
-            return
+            return False
         except BaseException:
             hold.close()
             raise
-        self._pinned[record.digest] = (resident.request.lora_name, hold)
+        with self._lock:
+            self._pinned[record.digest] = (resident.request.lora_name, hold)
         if live:
             log.info("pinned %s (published hot while this worker runs)", resident.request.lora_name)
         self._changed()
+        return True
 
     def _changed(self) -> None:
-        metrics.RESIDENT.labels("gpu").set(len(self._pinned))
+        metrics.RESIDENT.labels("gpu").set(len(self.names))
         self._on_change()
 
     def _version(self) -> str | None:
@@ -141,7 +172,10 @@ class Pins(Periodic):
         return None if raw is None else str(raw)
 
     def close(self) -> None:
+        """Stop reconciling (a pin or unpin under way ends with the engine) and let go of the
+        pinned adapters' disk holds."""
         super().close()
-        for _, hold in self._pinned.values():
+        with self._lock:
+            pinned, self._pinned = self._pinned, {}
+        for _, hold in pinned.values():
             hold.close()
-        self._pinned.clear()

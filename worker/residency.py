@@ -508,23 +508,29 @@ class EngineAdapters:
                 )
             async with self._gate.slot(lora_id):
                 resident = await self.load(staged, LoadTimings())
-                self.changing()
-                try:
-                    await self._host.engine.pin_lora(lora_id)
-                finally:
-                    self.changing()
-                self._pinned.add(lora_id)
-                self._gate.set_capacity(self._max_loras - len(self._pinned))
+                # Shielded: once the engine is asked to pin, the bookkeeping follows it even
+                # if this wait is given up (the slot count must match the engine's pins).
+                await asyncio.shield(pin_and_count())
             return resident
+
+        async def pin_and_count() -> None:
+            self.changing()
+            try:
+                await self._host.engine.pin_lora(lora_id)
+            finally:
+                self.changing()
+            self._pinned.add(lora_id)
+            self._gate.set_capacity(self._max_loras - len(self._pinned))
 
         return self._host.run(pin(), timeout_s)
 
-    def unpin(self, digest: str, timeout_s: float) -> bool:
+    def unpin(self, digest: str) -> bool:
         """Unpin ``digest`` (its hot adapter was retired): new jobs of it take a gate slot like
         any adapter's at once; once the jobs that ran on it pinned have left the engine, the
         engine drops it (vLLM has no unpin: ``remove_lora`` frees its GPU and CPU slots, a
-        later job loads it again from disk) and the gate gets the slot back. False if it was
-        not pinned. ``TimeoutError`` past ``timeout_s`` (its slot not given back yet)."""
+        later job loads it again from disk, and a job of it already in the engine through the
+        gate reloads it there) and the gate gets the slot back. Waits as long as those jobs
+        run (each ends by its deadline); False if it was not pinned."""
         with self._guard:
             lora_id = self._ids.get(digest)
         if lora_id is None:
@@ -535,8 +541,12 @@ class EngineAdapters:
                 return False
             self._pinned.discard(lora_id)
             self.changing()  # announced as held in the engine now, not pinned
-            while self._pinned_users[lora_id]:
-                await asyncio.sleep(0.05)
+            try:
+                while self._pinned_users[lora_id]:
+                    await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                self._pinned.add(lora_id)  # still pinned in the engine: counted as such
+                raise
             async with self._loading.setdefault(digest, asyncio.Lock()):
                 self.changing()
                 try:
@@ -547,4 +557,4 @@ class EngineAdapters:
             self._gate.set_capacity(self._max_loras - len(self._pinned))
             return True
 
-        return self._host.run(release(), timeout_s)
+        return self._host.run(release())

@@ -26,8 +26,8 @@ from celery.worker import state as celery_state
 
 from contracts.digests import manifest_of
 from contracts.jobs import JobMessage, LoadTimings
-from contracts.keys import POOLS, WORKER_QUEUES, WORKERS_INDEX, held_key, worker_key
-from contracts.queues import Tier, pool_id, pool_queues
+from contracts.keys import WORKER_QUEUES, WORKERS_INDEX, held_key, worker_key
+from contracts.queues import Tier, pool_queues
 from contracts.redis_policy import sync_client
 from contracts.registry import AdapterRecord, BaseModelRef
 from contracts.routing import worker_queue
@@ -44,7 +44,7 @@ from worker.job_store import JobStore
 from worker.leases import LeaseKeeper
 from worker.pins import Pins
 from worker.reaper import QueueKeeper, Reaper, hand_back
-from worker.registry import preload_sets
+from worker.registry import preload_sets, record_pools
 from worker.residency import EngineAdapters
 from worker.runner import JobRunner
 from worker.script_batch import ScriptBatch, script_client
@@ -229,7 +229,7 @@ class WorkerRuntime:
             log.info("engine processes bound to cores %s", self.host.colocate_engine_core())
         card, tokenizer_json = model_card.describe(self.host.engine, self.base_model)
         model_card.publish(self.redis, card, tokenizer_json)
-        self.redis.hset(POOLS, pool_id(self.base_model.digest), self.base_model.model_dump_json())
+        record_pools(self.redis, self.base_model)
         self._preload(hot, warm)
         self.watch.start()
 

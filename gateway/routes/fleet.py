@@ -1,4 +1,4 @@
-"""``/v1/fleet``: per-tier queue, workers and recommended replicas (operator keys only)."""
+"""``/v1/fleet``: per pool queue, workers and recommended replicas (operator keys only)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ router = APIRouter(prefix="/v1/fleet", tags=["fleet"])
 
 @router.get("", response_model=Fleet, responses=responses(*AUTHENTICATED, ErrorCode.FORBIDDEN))
 async def get_fleet(_: OperatorDep, redis: RedisDep, settings: SettingsDep) -> Fleet:
-    """Each tier's queue depth, admitted jobs, oldest waiting job, live workers (with their
+    """Each pool queue's depth (a tier of one base model's pool), admitted jobs, oldest waiting job, live workers (with their
     resident adapters and free slots) and a recommended replica count (formula included)."""
     try:
         return await fleet(redis, settings)

@@ -1,4 +1,4 @@
-"""``/v1/jobs``: admit a job onto its tier queue, and report its status and result."""
+"""``/v1/jobs``: admit a job onto its pool queue, and report its status and result."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ async def create_job(
     submitter: SubmitterDep,
     idempotency_key: IdempotencyKeyHeader = None,
 ) -> JobAccepted:
-    """Resolve the adapter to its revision, admit the job, enqueue it on its tier's queue.
+    """Resolve the adapter to its revision, admit the job, enqueue it on its pool queue.
 
     With an ``Idempotency-Key`` seen before (same body): 200 and the earlier job.
     """

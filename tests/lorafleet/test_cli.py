@@ -16,6 +16,7 @@ import httpx
 from redis import Redis
 
 from contracts.keys import adapter_key
+from contracts.queues import Tier, pool_id, queue_for
 from contracts.registry import AdapterRecord
 from lorafleet.stack import LOCAL_AWS, LocalStack
 from tests.helpers import processes_with_env
@@ -259,3 +260,19 @@ def test_tenant_key_and_grant_commands(
     rotated = _cli(["tenants", "webhook-secret", "cli-tenant", "--rotate"], env).stdout.split()
     assert rotated[0] != shown[0] and rotated[1] == "current"
     assert rotated[2] == shown[0] and rotated[3] != "current"  # still signing, with an end
+
+
+def test_pools_lists_each_base_models_pool_and_its_queues(
+    infra: LocalStack,
+    fixtures_dir: Path,
+    tmp_path: Path,
+    published: dict[str, AdapterRecord],
+) -> None:
+    env = _infra_env(infra, tmp_path / "state", fixtures_dir)
+    listed = _cli(["pools"], env)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    base = next(iter(published.values())).base_model
+    (row,) = [line for line in listed.stdout.splitlines() if base.digest in line]
+    pool, model, digest, *queues = row.split()
+    assert (pool, model, digest) == (pool_id(base.digest), base.id, base.digest)
+    assert queues == [queue_for(tier, base.digest) for tier in Tier]

@@ -157,11 +157,9 @@ def test_reset_trials_start_cold_and_the_reversal_moves_the_popular_adapter(
     reset_single = [
         r for r in records if r.cell == started.id and r.trial == "reset" and r.profile == "single"
     ]
-    # after the reset nothing is on the worker: the first request found its adapter remote,
-    # and one download fetched it. Which job timed that download is a race (requests arrive
-    # by a Poisson process; the others wait for it and time no fetch), so count them per reset.
-    first = min(reset_single, key=lambda r: r.sent_s or 0)
-    assert first.residency_before == "remote"
+    # after the reset nothing is on the worker: one download fetched the adapter. Which job
+    # timed it is a race (requests arrive by a Poisson process; jobs may start out of order;
+    # the others wait for the download and time no fetch), so count them per reset.
     resets = {(r.offered_rate, r.repetition) for r in reset_single}
     for rate, repetition in resets:
         one_reset = [

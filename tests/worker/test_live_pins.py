@@ -104,9 +104,7 @@ def test_a_live_pin_waits_for_a_free_slot_and_an_unpin_for_the_jobs_on_it(harnes
     assert adapters._gate.waiting == 1
     # Unpinned while its job generates: nothing is removed until that job has ended.
     unpinned: dict[str, Any] = {}
-    unpinning = threading.Thread(
-        target=lambda: unpinned.update(r=adapters.unpin(_digest("pppp"), 30))
-    )
+    unpinning = threading.Thread(target=lambda: unpinned.update(r=adapters.unpin(_digest("pppp"))))
     unpinning.start()
     _wait_for(lambda: not adapters.pinned_digests, "the adapter to count as unpinned")
     assert engine.removed == [] and unpinning.is_alive()
@@ -115,7 +113,7 @@ def test_a_live_pin_waits_for_a_free_slot_and_an_unpin_for_the_jobs_on_it(harnes
     assert unpinned["r"] is True and engine.removed == [p]
     # Its slot is the gate's again: job c gets the second slot beside b.
     _wait_for(lambda: c in engine.generating, "job c to generate")
-    assert adapters.unpin(_digest("pppp"), 30) is False  # not pinned: nothing to do
+    assert adapters.unpin(_digest("pppp")) is False  # not pinned: nothing to do
     release(b)
     release(c)
     for job_id in ("job-a", "job-b", "job-c", "job-p"):

@@ -45,7 +45,7 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
-    # Deaf to broadcast control commands: an `add_consumer lorafleet.hot` meant for the GPU
+    # Deaf to broadcast control commands: an `add_consumer lorafleet.hot.<pool>` meant for the GPU
     # workers must never make this worker take (and drop, as unregistered) engine jobs.
     worker_enable_remote_control=False,
 )
