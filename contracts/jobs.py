@@ -88,7 +88,8 @@ class Routed(BaseModel):
 
 
 class JobMessage(BaseModel):
-    """What the gateway puts on a pool queue (or a worker's own): the revision is fixed at admission."""
+    """What the gateway puts on a pool queue (or a worker's own): the revision is fixed at
+    admission."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -35,7 +35,10 @@ log = logging.getLogger(__name__)
 LIVE_PIN_TIMEOUT_S = 300.0
 """How long a live pin may wait (for its download and a GPU slot); then it is tried again."""
 RETRY_FAILED_S = 30.0
-"""A pin that failed (download, verification, the engine) is tried again this much later."""
+"""A pass that failed (a pin: download, verification, the engine; an error) is tried again
+this much later, doubling after each failure up to ``RETRY_MAX_S``; a registry change tries at
+once."""
+RETRY_MAX_S = 600.0
 
 
 class Pins(Periodic):
@@ -66,6 +69,7 @@ class Pins(Periodic):
         self._seen_version: str | None = None
         self._stale = True
         self._retry_at = 0.0
+        self._failures = 0
 
     @property
     def names(self) -> list[str]:
@@ -81,8 +85,7 @@ class Pins(Periodic):
         hot, _ = preload_sets(self._redis, self._base_digest)
         if not self._takes_hot:
             return [], []
-        with self._lock:
-            pinned = set(self._pinned)
+        pinned = self._held()
         keep = [record for record in hot if record.digest in pinned]
         new = [record for record in hot if record.digest not in pinned]
         room = max(0, self._room - len(keep))
@@ -94,14 +97,27 @@ class Pins(Periodic):
         failed = False
         for record in records:
             failed = not self._pin(record, live=False) or failed
-        self._stale = failed
-        self._retry_at = time.monotonic() + RETRY_FAILED_S
+        if failed:
+            self._failed()
+        else:
+            self._stale = False
 
     def step(self) -> None:
-        if self._version() != self._seen_version or (
-            self._stale and time.monotonic() >= self._retry_at
-        ):
-            self.reconcile()
+        changed = self._version() != self._seen_version
+        if changed or (self._stale and time.monotonic() >= self._retry_at):
+            if changed:
+                self._failures = 0
+            try:
+                self.reconcile()
+            except Exception:
+                self._failed()
+                raise
+
+    def _failed(self) -> None:
+        self._stale = True
+        delay = min(RETRY_MAX_S, RETRY_FAILED_S * 2**self._failures)
+        self._failures += 1
+        self._retry_at = time.monotonic() + delay
 
     def reconcile(self) -> None:
         """Pin what became hot, unpin what no longer is. A pass that did not end with every
@@ -116,14 +132,13 @@ class Pins(Periodic):
                 ", ".join(record.alias for record in beyond),
             )
         wanted_digests = {record.digest for record in wanted}
-        with self._lock:
-            gone = [d for d in self._pinned if d not in wanted_digests]
+        gone = [d for d in self._held() if d not in wanted_digests]
         for digest in gone:
             if self.stopping.is_set():
                 return
             self._adapters.unpin(digest)
             with self._lock:
-                name, hold = self._pinned.pop(digest)
+                name, hold = self._pinned.pop(digest, ("", ExitStack()))
             hold.close()
             log.info("unpinned %s (no longer a hot adapter of this pool)", name)
             self._changed()
@@ -136,9 +151,10 @@ class Pins(Periodic):
             if not pinned:
                 failed = not self._pin(record, live=True) or failed
         if failed:
-            self._retry_at = time.monotonic() + RETRY_FAILED_S
+            self._failed()
             return
         self._stale = False
+        self._failures = 0
 
     def _pin(self, record: AdapterRecord, live: bool) -> bool:
         """Pin ``record`` (False: it could not be, logged)."""
@@ -146,22 +162,35 @@ class Pins(Periodic):
         hold.enter_context(self._cache.hold(record.digest))
         try:
             if live:
-                resident = self._adapters.pin_live(record.alias, record.digest, LIVE_PIN_TIMEOUT_S)
+                self._adapters.pin_live(record.alias, record.digest, LIVE_PIN_TIMEOUT_S)
             else:
-                resident = self._adapters.pin(record.alias, record.digest)
+                self._adapters.pin(record.alias, record.digest)
         except JobFailure as failure:
             hold.close()
             log.error("hot adapter %s not pinned: %s", record.alias, failure.message)
             return False
         except BaseException:
-            hold.close()
-            raise
+            if record.digest not in self._adapters.pinned_digests:
+                hold.close()
+                raise
+            # Given up while the engine pinned it all the same: it is pinned, keep it so.
+        name = self._adapters.request_for(record.alias, record.digest).lora_name
         with self._lock:
-            self._pinned[record.digest] = (resident.request.lora_name, hold)
+            if self.stopping.is_set():
+                hold.close()
+                return True
+            self._pinned[record.digest] = (name, hold)
         if live:
-            log.info("pinned %s (published hot while this worker runs)", resident.request.lora_name)
+            log.info("pinned %s (published hot while this worker runs)", name)
         self._changed()
         return True
+
+    def _held(self) -> set[str]:
+        """Digests pinned here: recorded, and any the engine pinned after its pin was given
+        up (a timeout during ``pin_lora``), so that those are kept or unpinned too."""
+        with self._lock:
+            recorded = set(self._pinned)
+        return recorded | self._adapters.pinned_digests
 
     def _changed(self) -> None:
         metrics.RESIDENT.labels("gpu").set(len(self.names))

@@ -15,11 +15,11 @@ from worker import metrics
 log = logging.getLogger(__name__)
 
 
-def active_records(redis: Redis) -> list[AdapterRecord]:
+def active_records(redis: Redis, report: bool = True) -> list[AdapterRecord]:
     """Every active (not retired) record, sorted by alias.
 
-    A record that does not parse is skipped (logged and counted): one bad record must not
-    keep a worker from starting; its own jobs fail at admission.
+    A record that does not parse is skipped (with ``report``, logged and counted): one bad
+    record must not keep a worker from starting; its own jobs fail at admission.
     """
     aliases = sorted(str(a) for a in redis.smembers(ADAPTERS_INDEX))  # type: ignore[union-attr]
     retired = {str(a) for a in redis.smembers(RETIRED_INDEX)}  # type: ignore[union-attr]
@@ -31,8 +31,9 @@ def active_records(redis: Redis) -> list[AdapterRecord]:
         try:
             records.append(read_record(alias, raw))
         except UnreadableRecord as exc:
-            log.error("not preloading %s", exc)
-            metrics.REGISTRY_RECORDS_INVALID.inc()
+            if report:
+                log.error("not preloading %s", exc)
+                metrics.REGISTRY_RECORDS_INVALID.inc()
     return records
 
 
@@ -52,7 +53,7 @@ def record_pools(redis: Redis, served: BaseModelRef) -> None:
     adapters (published before pools were recorded). First writer wins: a pool's name in the
     metrics' ``base_model`` label never changes once exported."""
     bases = {served.digest: served}
-    for record in active_records(redis):
+    for record in active_records(redis, report=False):  # preloading reports them
         bases.setdefault(record.base_model.digest, record.base_model)
     pipe = redis.pipeline(transaction=False)
     for digest, base in bases.items():

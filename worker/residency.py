@@ -508,9 +508,15 @@ class EngineAdapters:
                 )
             async with self._gate.slot(lora_id):
                 resident = await self.load(staged, LoadTimings())
-                # Shielded: once the engine is asked to pin, the bookkeeping follows it even
-                # if this wait is given up (the slot count must match the engine's pins).
-                await asyncio.shield(pin_and_count())
+                # Once the engine is asked to pin, the pin and its count end before the slot
+                # is let go, even if this wait is given up: the gate must never let an adapter
+                # in while the engine holds one more pinned than it has counted.
+                pinning = asyncio.ensure_future(pin_and_count())
+                try:
+                    await asyncio.shield(pinning)
+                except asyncio.CancelledError:
+                    await asyncio.wait({pinning})
+                    raise
             return resident
 
         async def pin_and_count() -> None:
@@ -544,16 +550,16 @@ class EngineAdapters:
             try:
                 while self._pinned_users[lora_id]:
                     await asyncio.sleep(0.05)
-            except asyncio.CancelledError:
-                self._pinned.add(lora_id)  # still pinned in the engine: counted as such
-                raise
-            async with self._loading.setdefault(digest, asyncio.Lock()):
-                self.changing()
-                try:
-                    await self._host.engine.remove_lora(lora_id)
-                finally:
+                async with self._loading.setdefault(digest, asyncio.Lock()):
                     self.changing()
-                self._handed.pop(lora_id, None)
+                    try:
+                        await self._host.engine.remove_lora(lora_id)
+                    finally:
+                        self.changing()
+                    self._handed.pop(lora_id, None)
+            except BaseException:
+                self._pinned.add(lora_id)  # maybe still pinned in the engine: counted as such
+                raise
             self._gate.set_capacity(self._max_loras - len(self._pinned))
             return True
 

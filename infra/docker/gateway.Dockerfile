@@ -9,7 +9,8 @@ COPY worker worker
 COPY lorafleet lorafleet
 # No extra: the gateway and the webhook worker need neither torch nor vLLM.
 RUN pip install --no-cache-dir . && useradd --uid 10001 lorafleet
-USER lorafleet
+USER 10001
 ENV PORT=8000 LORAFLEET_GATEWAY_HOST=0.0.0.0
 EXPOSE 8000
-CMD uvicorn gateway.app:create_app --factory --host ${LORAFLEET_GATEWAY_HOST:-0.0.0.0} --port ${PORT:-8000} --timeout-keep-alive ${LORAFLEET_KEEP_ALIVE_S:-75}
+# A shell, so that the settings expand (exec: the server gets the signals, as PID 1).
+CMD ["sh", "-c", "exec uvicorn gateway.app:create_app --factory --host ${LORAFLEET_GATEWAY_HOST:-0.0.0.0} --port ${PORT:-8000} --timeout-keep-alive ${LORAFLEET_KEEP_ALIVE_S:-75}"]

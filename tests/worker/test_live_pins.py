@@ -7,6 +7,7 @@ each load), which also records pins and removals here.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -25,8 +26,11 @@ class PinningEngine(Engine):
         self.pinned: list[tuple[int, set[int]]] = []  # (adapter id, ids holding slots then)
         self.removed: list[int] = []
 
+    pin_takes_s = 0.0
+
     async def pin_lora(self, lora_id: int) -> bool:
         self.pinned.append((lora_id, set(self._adapters[0]._gate._active)))
+        await asyncio.sleep(self.pin_takes_s)
         return True
 
     async def remove_lora(self, lora_id: int) -> bool:
@@ -40,13 +44,14 @@ def _digest(name: str) -> str:
 
 
 @pytest.fixture
-def harness() -> Any:
+def harness(request: pytest.FixtureRequest) -> Any:
+    """The engine and ``max_loras`` (the test's ``indirect`` parameter) GPU adapter slots."""
     host = EngineHost(options=None)  # type: ignore[arg-type]
     holder: list[EngineAdapters] = []
     engine = PinningEngine(holder)
     host._thread.start()
     host._engine = engine  # type: ignore[assignment]
-    adapters = EngineAdapters(host, Cache(), max_loras=2)  # type: ignore[arg-type]
+    adapters = EngineAdapters(host, Cache(), max_loras=request.param)  # type: ignore[arg-type]
     holder.append(adapters)
     runner = JobRunner(host, Cache(), adapters, BASE, "w", Deltas())  # type: ignore[arg-type]
     results: dict[str, Any] = {}
@@ -77,6 +82,7 @@ def harness() -> Any:
     host._loop.call_soon_threadsafe(host._loop.stop)
 
 
+@pytest.mark.parametrize("harness", [2], indirect=True)
 def test_a_live_pin_waits_for_a_free_slot_and_an_unpin_for_the_jobs_on_it(harness: Any) -> None:
     adapters, engine, start, release, results = harness
     a, b = start("job-a", "aaaa"), start("job-b", "bbbb")
@@ -123,3 +129,29 @@ def test_a_live_pin_waits_for_a_free_slot_and_an_unpin_for_the_jobs_on_it(harnes
     for lora_id, holding in engine.loads:
         assert lora_id in holding, (lora_id, holding)
         assert len(holding) <= 2, (lora_id, holding)
+
+
+@pytest.mark.parametrize("harness", [3], indirect=True)
+def test_a_pin_given_up_while_the_engine_pins_keeps_its_slot_until_counted(harness: Any) -> None:
+    """A live pin whose wait ends (timeout) while the engine pins: the slot it took at the
+    gate is not let go before the pin is counted, so no job's adapter gets in on a slot the
+    engine has given to the pin; the pin stands and is counted."""
+    adapters, engine, start, release, results = harness
+    a, b = start("job-a", "aaaa"), start("job-b", "bbbb")
+    _wait_for(lambda: {a, b} <= engine.generating.keys(), "jobs a and b to generate")
+    engine.pin_takes_s = 1.0
+    with pytest.raises(TimeoutError):
+        adapters.pin_live("pppp", _digest("pppp"), 0.3)
+    # Given up, the pin goes on; a job of a third adapter arrives meanwhile.
+    c = start("job-c", "cccc")
+    _wait_for(lambda: adapters.pinned_digests == {_digest("pppp")}, "the engine's pin to end")
+    # 3 slots: 1 pinned, 2 held by a and b: c waits (before the fix it was let in as the
+    # pin's slot was released, and 4 adapters then needed 3 slots).
+    assert c not in engine.generating and adapters._gate.waiting == 1
+    release(a)
+    _wait_for(lambda: c in engine.generating, "job c to take a's slot")
+    for lora_id in (b, c):
+        release(lora_id)
+    for job_id in ("job-a", "job-b", "job-c"):
+        _wait_for(lambda job_id=job_id: job_id in results, f"{job_id} to end")
+        assert not isinstance(results[job_id], BaseException), results[job_id]
