@@ -1,6 +1,7 @@
 """The gateway's Prometheus metrics (``GET /metrics``): what it admits and refuses, and, read
 from Redis at each scrape, each pool queue's depth (a tier of one base model's pool),
-admitted-unfinished jobs and the age of its oldest waiting job. Each app has its own registry (several apps may share a process)."""
+admitted-unfinished jobs and the age of its oldest waiting job. Each app has its own
+registry (several apps may share a process)."""
 
 from __future__ import annotations
 
