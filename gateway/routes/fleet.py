@@ -16,8 +16,9 @@ router = APIRouter(prefix="/v1/fleet", tags=["fleet"])
 
 @router.get("", response_model=Fleet, responses=responses(*AUTHENTICATED, ErrorCode.FORBIDDEN))
 async def get_fleet(_: OperatorDep, redis: RedisDep, settings: SettingsDep) -> Fleet:
-    """Each pool queue's depth (a tier of one base model's pool), admitted jobs, oldest waiting job, live workers (with their
-    resident adapters and free slots) and a recommended replica count (formula included)."""
+    """Each pool queue's depth (a tier of one base model's pool), admitted jobs, oldest
+    waiting job, live workers (with their resident adapters and free slots) and a
+    recommended replica count (formula included)."""
     try:
         return await fleet(redis, settings)
     except (RedisError, OSError) as exc:
