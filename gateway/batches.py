@@ -245,6 +245,18 @@ def _check_admissible(tenant: str, jobs: list[JobPublic], limits: admission.Batc
         )
 
 
+REQUEST_CANCEL = """
+-- KEYS[1]: the batch's hash. ARGV[1]: now. Marks the batch cancelled unless every job of it
+-- has ended already; 1 if the batch is (now or already) being cancelled, 0 if it had ended.
+local counts = redis.call('HMGET', KEYS[1], 'finished', 'total')
+if tonumber(counts[1] or '0') >= tonumber(counts[2] or '0') then
+  return redis.call('HEXISTS', KEYS[1], 'cancel_requested_at')
+end
+redis.call('HSETNX', KEYS[1], 'cancel_requested_at', ARGV[1])
+return 1
+"""
+
+
 class Batches:
     def __init__(
         self,
@@ -255,6 +267,7 @@ class Batches:
         self._redis = redis
         self._admit_script = redis.register_script(admission.ADMIT_BATCH)
         self._withdraw_script = redis.register_script(admission.WITHDRAW_BATCH)
+        self._request_cancel = redis.register_script(REQUEST_CANCEL)
         self._submitter = submitter
         self._settings = settings
 
@@ -458,7 +471,11 @@ class Batches:
         """Cancel every job of the batch that has not started; running ones finish."""
         if await self.get(tenant, batch_id) is None:
             return None
-        await self._redis.hsetnx(batch_key(batch_id), "cancel_requested_at", repr(time.time()))
+        # A batch whose jobs have all ended stays as it ended (completed, its webhook sent):
+        # a late cancel must not turn it into "cancelled".
+        requested = await self._request_cancel(keys=[batch_key(batch_id)], args=[repr(time.time())])
+        if not requested:
+            return await self.get(tenant, batch_id)
         async for chunk in self.lines(batch_id):
             for line, job in chunk:
                 if job is not None and job.status == JobStatus.QUEUED:
