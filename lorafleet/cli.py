@@ -17,6 +17,7 @@ from rich.markup import escape
 from contracts.errors import ErrorCode
 from contracts.queues import Tier, queue_for
 from contracts.registry import UnreadableRecord
+from lorafleet.cli_jobs import batch_app, jobs_app
 from lorafleet.processes import interrupt_on_signal
 from lorafleet.registry import Registry, RegistryError
 from lorafleet.settings import LocalSettings
@@ -44,6 +45,8 @@ app.add_typer(tenants_app, name="tenants")
 app.add_typer(keys_app, name="keys")
 app.add_typer(grants_app, name="grants")
 app.add_typer(experiment_app, name="experiment")
+app.add_typer(batch_app, name="batch")
+app.add_typer(jobs_app, name="jobs")
 # Pipes and CI logs get a table wide enough to read; terminals keep their own width.
 console = Console(width=None if sys.stdout.isatty() else 160)
 

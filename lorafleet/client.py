@@ -362,6 +362,24 @@ class AsyncClient:
         call = _batch_call(requests, webhook_url, deadline_s, idempotency_key)
         return BatchPublic.model_validate((await self._send(call)).json())
 
+    async def create_openai_batch(
+        self, path: str | Path, endpoint: str, *, idempotency_key: str | None = None
+    ) -> BatchPublic:
+        """OpenAI's Batch API: upload ``path`` (a JSONL of ``{"custom_id", "method", "url",
+        "body"}`` lines to ``endpoint``) and run it as a batch."""
+        name = Path(path).name
+        upload = await self._http.post(
+            "/v1/files",
+            files={"file": (name, Path(path).read_bytes(), "application/jsonl")},
+            data={"purpose": "batch"},
+        )
+        if upload.status_code != 200:
+            raise error_from(upload)
+        body = {"input_file_id": upload.json()["id"], "endpoint": endpoint}
+        headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
+        call = _Call("POST", "/v1/batches", json=body, headers=headers, ok=(200, 202), safe=True)
+        return BatchPublic.model_validate((await self._send(call)).json())
+
     async def get_batch(self, batch_id: str) -> BatchPublic:
         call = _Call("GET", f"/v1/batches/{batch_id}", safe=True)
         return BatchPublic.model_validate((await self._send(call)).json())
@@ -484,6 +502,13 @@ class Client:
                 deadline_s=deadline_s,
                 idempotency_key=idempotency_key,
             )
+        )
+
+    def create_openai_batch(
+        self, path: str | Path, endpoint: str, *, idempotency_key: str | None = None
+    ) -> BatchPublic:
+        return self._run(
+            self._async.create_openai_batch(path, endpoint, idempotency_key=idempotency_key)
         )
 
     def get_batch(self, batch_id: str) -> BatchPublic:
