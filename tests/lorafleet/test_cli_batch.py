@@ -162,3 +162,26 @@ def test_ctrl_c_leaves_the_batch_running_and_watch_re_attaches(
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["custom_id"] for r in results] == [line["custom_id"] for line in lines]
     assert {r["status"] for r in results} == {"succeeded"}
+
+
+def test_batch_run_takes_openai_batch_files_too(
+    stack: LocalStack, published: dict[str, AdapterRecord], tmp_path: Path
+) -> None:
+    env, target = _env(stack, tmp_path)
+    alias = sorted(published)[0]
+    lines = [
+        {
+            "custom_id": f"openai-{n}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": alias, "prompt": PROMPTS[n], "max_tokens": 4, "temperature": 0},
+        }
+        for n in range(3)
+    ]
+    out = tmp_path / "out.jsonl"
+    source = _write(tmp_path / "openai.jsonl", lines)
+    ran = _cli(["batch", "run", str(source), "--out", str(out), *target], env)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == [line["custom_id"] for line in lines]
+    assert {r["status"] for r in results} == {"succeeded"}
