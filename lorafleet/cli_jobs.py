@@ -6,8 +6,8 @@ Both use ``lorafleet.client`` against ``--gateway``/``--key``, or the local stac
 Exit codes of ``batch run`` and ``batch watch``: 0 every line succeeded; 2 the batch was refused
 (nothing was admitted: the message says why, with its code); 3 it ended with lines that did
 not succeed (failed or cancelled: summarised by error code); 4 the gateway could not be
-reached or answered with an error; 130 interrupted (the batch keeps running: the command to
-re-attach is printed).
+reached or answered with an error (once the batch was admitted, it keeps running and the
+command to re-attach is printed); 130 interrupted (likewise).
 """
 
 from __future__ import annotations
@@ -58,7 +58,11 @@ def _failed(exc: GatewayError | httpx.HTTPError) -> typer.Exit:
     if isinstance(exc, GatewayError):
         errors.print(f"[red]{exc.code}[/]: {escape(exc.message)}")
         for detail in (exc.details or [])[:20]:  # the batch's invalid lines, each with why
-            where = f"line {detail['line']}" if "line" in detail else detail.get("param", "")
+            where = (
+                f"line {detail['line']}"
+                if "line" in detail
+                else detail.get("field") or detail.get("param") or ""
+            )
             errors.print(f"  {escape(str(where))}: {escape(str(detail.get('message', detail)))}")
         return typer.Exit(EXIT_REFUSED if exc.status_code < 500 else EXIT_UNREACHABLE)
     errors.print(f"[red]gateway unreachable[/]: {escape(type(exc).__name__)}: {escape(str(exc))}")
@@ -68,12 +72,12 @@ def _failed(exc: GatewayError | httpx.HTTPError) -> typer.Exit:
 def _shape(path: Path) -> str | None:
     """``None`` for lorafleet's JSONL (job bodies), else the endpoint of OpenAI's batch-file
     shape (``custom_id``, ``method``, ``url``, ``body`` lines), read off the first line."""
-    with path.open() as lines:
-        first = next((line for line in lines if line.strip()), "")
     try:
+        with path.open(encoding="utf-8") as lines:
+            first = next((line for line in lines if line.strip()), "")
         item = json.loads(first)
-    except ValueError:
-        return None  # the gateway says what is wrong with it, line by line
+    except ValueError:  # not UTF-8, not JSON: the gateway says what is wrong, line by line
+        return None
     if isinstance(item, dict) and {"method", "url", "body"} <= item.keys():
         return str(item["url"])
     return None
@@ -95,8 +99,14 @@ def batch_run(
     Exit 0: every line succeeded; 2: refused, nothing admitted; 3: lines failed (summary by
     code); 4: gateway unreachable or failing; 130: interrupted (the batch keeps running)."""
     with _client(gateway, key) as client:
+        endpoint = _shape(input_file)
+        if endpoint is not None and webhook_url is not None:
+            errors.print(
+                "[red]webhook_unsupported[/]: --webhook-url applies to lorafleet's JSONL "
+                "batches; an OpenAI batch file takes none. Nothing was submitted."
+            )
+            raise typer.Exit(EXIT_REFUSED)
         try:
-            endpoint = _shape(input_file)
             if endpoint is None:
                 batch = client.create_batch(input_file, webhook_url=webhook_url)
             else:
@@ -178,8 +188,17 @@ def _follow(client: Client, batch: BatchPublic, out: Path, announce: bool = Fals
             f"or cancel it with\n  lorafleet batch cancel {batch.id}"
         )
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    except (GatewayError, httpx.HTTPError) as exc:
-        raise _failed(exc) from None
+    except (GatewayError, httpx.HTTPError, TimeoutError) as exc:
+        # Admitted already: whatever went wrong now, the batch runs on.
+        if isinstance(exc, GatewayError):
+            errors.print(f"[red]{exc.code}[/]: {escape(exc.message)}")
+        else:
+            errors.print(f"[red]gateway unreachable[/]: {escape(type(exc).__name__)}: {exc}")
+        errors.print(
+            f"batch {batch.id} keeps running. Re-attach with\n"
+            f"  lorafleet batch watch {batch.id} --out {out}"
+        )
+        raise typer.Exit(EXIT_UNREACHABLE) from None
     failures = Counter(
         (line.get("error") or {}).get("code") or line.get("status")
         for line in written
@@ -231,6 +250,9 @@ def jobs_submit(
             job = client.wait_job(accepted.id, timeout_s=3600)
         except (GatewayError, httpx.HTTPError) as exc:
             raise _failed(exc) from None
+        except TimeoutError as exc:
+            errors.print(f"[red]still running[/]: {escape(str(exc))}")
+            raise typer.Exit(EXIT_UNREACHABLE) from None
     _show_job(job, as_json)
 
 
@@ -248,6 +270,9 @@ def jobs_get(
             job = client.wait_job(job_id, timeout_s=3600) if wait else client.get_job(job_id)
         except (GatewayError, httpx.HTTPError) as exc:
             raise _failed(exc) from None
+        except TimeoutError as exc:
+            errors.print(f"[red]still running[/]: {escape(str(exc))}")
+            raise typer.Exit(EXIT_UNREACHABLE) from None
     _show_job(job, as_json)
 
 

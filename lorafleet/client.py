@@ -6,6 +6,7 @@ benchmarks use."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import time
@@ -52,9 +53,11 @@ class GatewayError(Exception):
         self, status_code: int, body: dict[str, Any], retry_after_s: float | None = None
     ) -> None:
         error = body.get("error", {}) if isinstance(body, dict) else {}
+        if not isinstance(error, dict):
+            error = {"code": "internal_error", "message": str(error)}
         super().__init__(f"{status_code} {error.get('code')}: {error.get('message')}")
         self.status_code = status_code
-        raw = str(error.get("code"))
+        raw = str(error.get("code") or "internal_error")
         self.code: ErrorCode | str = ErrorCode(raw) if raw in _CODES else raw
         self.message = str(error.get("message", ""))
         self.details: list[dict[str, Any]] | None = error.get("details")
@@ -187,7 +190,9 @@ class _Call:
     headers: dict[str, str] = field(default_factory=dict)
     ok: tuple[int, ...] = (200,)
     safe: bool = False
-    """Safe to send again after a transport error (a read, or a create with its key)."""
+    """Safe to send again after a transport error (a read, or a job create with its key)."""
+    wait_s: float = 0.0
+    """Server-side wait (a long-poll): added to the request's timeout."""
 
 
 def _stack_defaults(gateway: str | None, key: str | None) -> tuple[str, str]:
@@ -228,11 +233,13 @@ def _batch_call(
     requests: Iterable[dict[str, Any]] | str | Path,
     webhook_url: str | None,
     deadline_s: float | None,
-    idempotency_key: str | None,
 ) -> _Call:
     """A batch from a list of job bodies (JSON), or a JSONL file of them or of OpenAI's batch
     lines (sent as is: the gateway detects the shape)."""
-    headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
+    # No idempotency key on batches yet (the route ignores one): a batch create is never sent
+    # again after a transport error (it may have been admitted); 429 and 503 are retried
+    # (nothing was admitted).
+    headers: dict[str, str] = {}
     if isinstance(requests, (str, Path)):
         params = {"webhook_url": webhook_url, "deadline_s": deadline_s}
         return _Call(
@@ -242,14 +249,13 @@ def _batch_call(
             params={k: v for k, v in params.items() if v is not None},
             headers={**headers, "Content-Type": "application/jsonl"},
             ok=(200, 202),
-            safe=True,
         )
     body: dict[str, Any] = {"requests": list(requests)}
     if webhook_url is not None:
         body["webhook"] = {"url": webhook_url}
     if deadline_s is not None:
         body["deadline_s"] = deadline_s
-    return _Call("POST", "/v1/batches", json=body, headers=headers, ok=(200, 202), safe=True)
+    return _Call("POST", "/v1/batches", json=body, headers=headers, ok=(200, 202))
 
 
 class AsyncClient:
@@ -257,7 +263,8 @@ class AsyncClient:
     local stack's. A refusal raises a ``GatewayError`` subclass carrying its stable ``code``;
     429 and 503 are retried up to ``max_retries`` times, waiting what ``Retry-After`` says
     (at most ``max_wait_s`` each time), and so are transport errors of requests that are safe
-    to repeat (reads, and creates: each carries an idempotency key, generated unless given)."""
+    to repeat (reads, cancels, and job creates: each carries an idempotency key, generated
+    unless given; batch creates are not repeated after a transport error)."""
 
     def __init__(
         self,
@@ -268,7 +275,10 @@ class AsyncClient:
         max_retries: int = 3,
         max_wait_s: float = 30.0,
     ) -> None:
+        if max_retries < 0:
+            raise ValueError("max_retries must be 0 or more")
         url, api_key = _stack_defaults(gateway, key)
+        self._timeout_s = timeout_s
         self._http = httpx.AsyncClient(
             base_url=url, headers=auth_headers(api_key), timeout=timeout_s
         )
@@ -295,6 +305,7 @@ class AsyncClient:
                     content=call.content,
                     params=call.params,
                     headers=call.headers,
+                    timeout=self._timeout_s + call.wait_s,
                 )
             except httpx.TransportError:
                 if not call.safe or last:
@@ -329,7 +340,9 @@ class AsyncClient:
 
     async def get_job(self, job_id: str, wait_s: float = 0.0) -> JobPublic:
         """The job now, or once it has ended if that happens within ``wait_s`` (long-poll)."""
-        call = _Call("GET", f"/v1/jobs/{job_id}", params={"wait_s": wait_s}, safe=True)
+        call = _Call(
+            "GET", f"/v1/jobs/{job_id}", params={"wait_s": wait_s}, safe=True, wait_s=wait_s
+        )
         return JobPublic.model_validate((await self._send(call)).json())
 
     async def wait_job(self, job_id: str, timeout_s: float = 300.0) -> JobPublic:
@@ -354,17 +367,15 @@ class AsyncClient:
         *,
         webhook_url: str | None = None,
         deadline_s: float | None = None,
-        idempotency_key: str | None = None,
     ) -> BatchPublic:
         """Admit every job of a batch or none: ``requests`` is a list of job bodies
-        (``{"adapter", "prompt", "sampling"?}``) or the path of a JSONL file of them (or of
-        OpenAI batch lines)."""
-        call = _batch_call(requests, webhook_url, deadline_s, idempotency_key)
+        (``{"adapter", "prompt", "sampling"?}``) or the path of a JSONL file of them. Not sent
+        again after a transport error: it may have been admitted (batches take no
+        idempotency key yet)."""
+        call = _batch_call(requests, webhook_url, deadline_s)
         return BatchPublic.model_validate((await self._send(call)).json())
 
-    async def create_openai_batch(
-        self, path: str | Path, endpoint: str, *, idempotency_key: str | None = None
-    ) -> BatchPublic:
+    async def create_openai_batch(self, path: str | Path, endpoint: str) -> BatchPublic:
         """OpenAI's Batch API: upload ``path`` (a JSONL of ``{"custom_id", "method", "url",
         "body"}`` lines to ``endpoint``) and run it as a batch."""
         name = Path(path).name
@@ -376,8 +387,7 @@ class AsyncClient:
         if upload.status_code != 200:
             raise error_from(upload)
         body = {"input_file_id": upload.json()["id"], "endpoint": endpoint}
-        headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
-        call = _Call("POST", "/v1/batches", json=body, headers=headers, ok=(200, 202), safe=True)
+        call = _Call("POST", "/v1/batches", json=body, ok=(200, 202))
         return BatchPublic.model_validate((await self._send(call)).json())
 
     async def get_batch(self, batch_id: str) -> BatchPublic:
@@ -455,7 +465,17 @@ class Client:
             self._loop.close()
 
     def _run(self, call: Awaitable[T]) -> T:
-        return self._loop.run_until_complete(call)
+        """``call`` on the private loop; interrupted (Ctrl-C), it is cancelled and finished
+        before the interruption goes on, so the loop is left with nothing running."""
+        task = asyncio.ensure_future(call, loop=self._loop)
+        try:
+            return self._loop.run_until_complete(task)
+        except BaseException:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    self._loop.run_until_complete(task)
+            raise
 
     def create_job(
         self,
@@ -493,23 +513,13 @@ class Client:
         *,
         webhook_url: str | None = None,
         deadline_s: float | None = None,
-        idempotency_key: str | None = None,
     ) -> BatchPublic:
         return self._run(
-            self._async.create_batch(
-                requests,
-                webhook_url=webhook_url,
-                deadline_s=deadline_s,
-                idempotency_key=idempotency_key,
-            )
+            self._async.create_batch(requests, webhook_url=webhook_url, deadline_s=deadline_s)
         )
 
-    def create_openai_batch(
-        self, path: str | Path, endpoint: str, *, idempotency_key: str | None = None
-    ) -> BatchPublic:
-        return self._run(
-            self._async.create_openai_batch(path, endpoint, idempotency_key=idempotency_key)
-        )
+    def create_openai_batch(self, path: str | Path, endpoint: str) -> BatchPublic:
+        return self._run(self._async.create_openai_batch(path, endpoint))
 
     def get_batch(self, batch_id: str) -> BatchPublic:
         return self._run(self._async.get_batch(batch_id))
@@ -561,7 +571,8 @@ def verify_webhook(
     if abs(time.time() - timestamp) > tolerance_s:
         raise ValueError(f"webhook timestamp {timestamp} is outside the {tolerance_s:g} s window")
     expected = signature(secret, event_id, timestamp, body)
-    if not any(hmac.compare_digest(expected, candidate) for candidate in offered):
+    wanted = expected.encode()
+    if not any(hmac.compare_digest(wanted, candidate.encode()) for candidate in offered):
         raise ValueError("no webhook signature matches the secret")
     payload: dict[str, Any] = json.loads(body)
     return payload

@@ -80,16 +80,26 @@ def _exported() -> dict[str, set[str]]:
 EXPORTED = _exported()
 
 
+def _panels() -> list[dict[str, Any]]:
+    """Every panel, those inside collapsed rows too."""
+    found = []
+    for panel in DASHBOARD["panels"]:
+        found += [panel, *panel.get("panels", [])]
+    return found
+
+
+def _targets() -> list[tuple[str, dict[str, Any]]]:
+    return [(panel["title"], target) for panel in _panels() for target in panel.get("targets", [])]
+
+
 def _queries() -> list[tuple[str, str]]:
-    """(panel title, PromQL) of every query, the template variables' included."""
-    queries = [
-        (panel["title"], target["expr"])
-        for panel in DASHBOARD["panels"]
-        for target in panel.get("targets", [])
-    ]
+    """(panel title, PromQL) of every query, the template variables' included (the query
+    Grafana runs: it must be the one it shows)."""
+    queries = [(title, target["expr"]) for title, target in _targets()]
     for variable in DASHBOARD["templating"]["list"]:
         if variable["type"] == "query":
-            queries.append((f"${variable['name']}", variable["definition"]))
+            assert variable["definition"] == variable["query"]["query"], variable["name"]
+            queries.append((f"${variable['name']}", variable["query"]["query"]))
     return queries
 
 
@@ -103,19 +113,34 @@ def test_each_query_names_exported_metrics_and_their_labels(title: str, expr: st
     for name, matchers in re.findall(METRIC + r"\{([^}]*)\}", expr):
         for label in re.findall(r"(\w+)\s*(?:=~|!=|!~|=)", matchers):
             assert label in EXPORTED[name] | TARGET_LABELS, f"{title}: {name} has no {label}"
-    for grouping in re.findall(r"\bby \(([^)]*)\)", expr):
-        for label in (part.strip() for part in grouping.split(",")):
+    groupings = [
+        [part.strip() for part in grouping.split(",") if part.strip()]
+        for grouping in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr)
+    ]
+    for grouping in groupings:
+        for label in grouping:
             assert label in carried, f"{title}: grouped by {label}, which it does not carry"
+        if "histogram_quantile" in expr:
+            assert "le" in grouping, f"{title}: a quantile needs its buckets (le) kept"
     for label in re.findall(r"label_values\([^,]+,\s*(\w+)\)", expr):
         assert label in carried, f"{title}: no {label} label to list"
+
+
+@pytest.mark.parametrize(("title", "target"), _targets())
+def test_each_legend_names_labels_its_query_keeps(title: str, target: dict[str, Any]) -> None:
+    expr, legend = target["expr"], target.get("legendFormat", "")
+    outer = re.search(r"\bby\s*\(([^)]*)\)", expr)  # the first is the outermost here
+    kept = {part.strip() for part in outer.group(1).split(",")} if outer else None
+    for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", legend):
+        assert kept is None or label in kept, f"{title}: legend {label} is aggregated away"
 
 
 def test_the_dashboard_covers_what_an_operator_needs() -> None:
     used = {name for _, expr in _queries() for name in re.findall(METRIC, expr)}
     assert used >= REQUIRED, REQUIRED - used
-    ids = [panel["id"] for panel in DASHBOARD["panels"]]
+    ids = [panel["id"] for panel in _panels()]
     assert len(ids) == len(set(ids))
-    for panel in DASHBOARD["panels"]:
+    for panel in _panels():
         if panel["type"] != "row":
             assert panel["targets"], panel["title"]
 

@@ -139,3 +139,6 @@ def test_verify_webhook_accepts_our_signature_and_refuses_anything_else() -> Non
         verify_webhook(signed_headers([secret], "evt_1", now - 3600, body), body, secret)
     with pytest.raises(ValueError, match="not a signed webhook"):
         verify_webhook({"content-type": "application/json"}, body, secret)
+    garbled = {**headers, "webhook-signature": "v1,é"}  # a 400 for the receiver, not a 500
+    with pytest.raises(ValueError, match="no webhook signature"):
+        verify_webhook(garbled, body, secret)
