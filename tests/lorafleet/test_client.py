@@ -105,7 +105,8 @@ def test_the_async_client_retries_a_rate_refusal_after_its_retry_after(
 ) -> None:
     tenants = Tenants(redis)
     name = f"client-rate-{time.monotonic_ns()}"
-    _, key = tenants.create(name, TenantLimits(rate_per_s=1.0, burst=1))
+    # A token every 5 s: the second create comes well within it, however slow the machine.
+    _, key = tenants.create(name, TenantLimits(rate_per_s=0.2, burst=1))
     tenants.grant(name, ALL_ADAPTERS)
     alias = hot_alias(published)
 
