@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -50,6 +52,19 @@ def _client(gateway: str | None, key: str | None) -> Client:
         return Client(gateway, key)
     except ValueError as exc:
         errors.print(f"[red]no gateway[/]: {escape(str(exc))}")
+        raise typer.Exit(EXIT_UNREACHABLE) from None
+
+
+@contextmanager
+def _answered() -> Iterator[None]:
+    """A call to the gateway: a refusal or an unreachable gateway ends the command (``_failed``),
+    and so does a wait that ran out."""
+    try:
+        yield
+    except (GatewayError, httpx.HTTPError) as exc:
+        raise _failed(exc) from None
+    except TimeoutError as exc:
+        errors.print(f"[red]still running[/]: {escape(str(exc))}")
         raise typer.Exit(EXIT_UNREACHABLE) from None
 
 
@@ -131,10 +146,8 @@ def batch_watch(
     """Re-attach to a running batch: its progress until it ends, then its results to OUT
     (exit codes as for run)."""
     with _client(gateway, key) as client:
-        try:
+        with _answered():
             batch = client.get_batch(batch_id)
-        except (GatewayError, httpx.HTTPError) as exc:
-            raise _failed(exc) from None
         _follow(client, batch, out)
 
 
@@ -143,11 +156,8 @@ def batch_cancel(
     batch_id: Annotated[str, typer.Argument()], gateway: Gateway = None, key: Key = None
 ) -> None:
     """Cancel every job of the batch that has not started (running ones finish)."""
-    with _client(gateway, key) as client:
-        try:
-            batch = client.cancel_batch(batch_id)
-        except (GatewayError, httpx.HTTPError) as exc:
-            raise _failed(exc) from None
+    with _client(gateway, key) as client, _answered():
+        batch = client.cancel_batch(batch_id)
     console.print(f"batch {batch.id}: {batch.status}, {batch.counts.pending} pending")
 
 
@@ -238,21 +248,15 @@ def jobs_submit(
 ) -> None:
     """Submit one job; prints its id (with --wait, its result and metadata)."""
     sampling = {"max_tokens": max_tokens, "temperature": temperature}
-    with _client(gateway, key) as client:
-        try:
-            accepted = client.create_job(adapter, prompt, sampling=sampling)
-            if not wait:
-                if as_json:
-                    console.print_json(accepted.model_dump_json())
-                else:
-                    console.print(accepted.id)
-                return
-            job = client.wait_job(accepted.id, timeout_s=3600)
-        except (GatewayError, httpx.HTTPError) as exc:
-            raise _failed(exc) from None
-        except TimeoutError as exc:
-            errors.print(f"[red]still running[/]: {escape(str(exc))}")
-            raise typer.Exit(EXIT_UNREACHABLE) from None
+    with _client(gateway, key) as client, _answered():
+        accepted = client.create_job(adapter, prompt, sampling=sampling)
+        if not wait:
+            if as_json:
+                console.print_json(accepted.model_dump_json())
+            else:
+                console.print(accepted.id)
+            return
+        job = client.wait_job(accepted.id, timeout_s=3600)
     _show_job(job, as_json)
 
 
@@ -265,14 +269,8 @@ def jobs_get(
     key: Key = None,
 ) -> None:
     """A job's status, result and metadata."""
-    with _client(gateway, key) as client:
-        try:
-            job = client.wait_job(job_id, timeout_s=3600) if wait else client.get_job(job_id)
-        except (GatewayError, httpx.HTTPError) as exc:
-            raise _failed(exc) from None
-        except TimeoutError as exc:
-            errors.print(f"[red]still running[/]: {escape(str(exc))}")
-            raise typer.Exit(EXIT_UNREACHABLE) from None
+    with _client(gateway, key) as client, _answered():
+        job = client.wait_job(job_id, timeout_s=3600) if wait else client.get_job(job_id)
     _show_job(job, as_json)
 
 
@@ -284,11 +282,8 @@ def jobs_cancel(
     key: Key = None,
 ) -> None:
     """Cancel a queued or running job."""
-    with _client(gateway, key) as client:
-        try:
-            job = client.cancel_job(job_id)
-        except (GatewayError, httpx.HTTPError) as exc:
-            raise _failed(exc) from None
+    with _client(gateway, key) as client, _answered():
+        job = client.cancel_job(job_id)
     _show_job(job, as_json, judge=False)
 
 
