@@ -8,7 +8,10 @@ line refuses the whole batch, with every bad line's number and reason; nothing i
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from contracts import admission, strict_json
 from contracts.batches import BatchEndpoint, BatchLine, BatchPublic, BatchRecord, batch_public
@@ -30,11 +34,13 @@ from gateway import job_store
 from gateway.access import Caller
 from gateway.config import GatewaySettings
 from gateway.errors import ApiError, problem
+from gateway.idempotency import IdempotencyKeys, Reservation
 from gateway.openai_schemas import DEFAULT_MAX_TOKENS, ChatCompletionCreate, CompletionCreate
 from gateway.queue import job_message
 from gateway.registry import Resolved
 from gateway.routing import destination
 from gateway.submit import (
+    Idempotency,
     Prepared,
     Submission,
     Submitter,
@@ -42,6 +48,8 @@ from gateway.submit import (
     refusal_error,
 )
 from gateway.webhooks import check_target, delivery_status
+
+log = logging.getLogger(__name__)
 
 MAX_LINE_ERRORS = 100
 """A refused batch reports at most this many bad lines (and how many there were)."""
@@ -281,8 +289,11 @@ class Batches:
         deadline_s: float | None = None,
         metadata: dict[str, str] | None = None,
         input_file_id: str | None = None,
-    ) -> BatchPublic:
-        """Check every line, then admit and enqueue all of them, or nothing."""
+        idempotency: Idempotency | None = None,
+    ) -> tuple[BatchPublic, bool]:
+        """Check every line, then admit and enqueue all of them, or nothing. Answers the
+        batch and whether it is an earlier one, replayed for its ``idempotency`` key (the
+        same key and body: nothing new is enqueued)."""
         settings = self._settings
         if not lines:
             raise ApiError(422, ErrorCode.BATCH_INVALID, "The batch holds no requests.")
@@ -296,9 +307,26 @@ class Batches:
         async with self._submitter.bounded(settings.request_timeout_s + 0.01 * len(lines)):
             if webhook is not None:
                 await check_target(webhook, settings)
-            return await self._create(
-                tenant, caller, lines, endpoint, webhook, deadline_s, metadata, input_file_id
+            batch, reserved = await self._create(
+                tenant,
+                caller,
+                lines,
+                endpoint,
+                webhook,
+                deadline_s,
+                metadata,
+                input_file_id,
+                idempotency,
             )
+        if reserved is not None and idempotency is not None:
+            # Enqueued: answer 202 even if the key can't be marked (it then expires as
+            # pending instead of being remembered for the full TTL).
+            try:
+                async with asyncio.timeout(settings.redis_timeout_s):
+                    await reserved.done(idempotency.fingerprint, batch.id)
+            except (RedisError, OSError, TimeoutError) as exc:
+                log.warning("idempotency key of batch %s not marked done: %s", batch.id, exc)
+        return batch, reserved is None and idempotency is not None
 
     async def _create(
         self,
@@ -310,7 +338,10 @@ class Batches:
         deadline_s: float | None,
         metadata: dict[str, str] | None,
         input_file_id: str | None,
-    ) -> BatchPublic:
+        idempotency: Idempotency | None,
+    ) -> tuple[BatchPublic, IdempotencyKeys | None]:
+        """The admitted batch (or the earlier one of its idempotency key), and the key's
+        reservation to mark done if this request made one."""
         errors = [line for line in lines if isinstance(line, LineError)]
         unique: list[Parsed] = []
         seen: set[str] = set()
@@ -349,6 +380,14 @@ class Batches:
             raise refused(sorted(errors, key=lambda e: e.line), len(lines))
 
         batch_id = "batch_" + uuid.uuid4().hex
+        keys = None
+        if idempotency is not None:
+            keys = IdempotencyKeys(
+                self._redis, tenant.name, idempotency.key, self._settings.idempotency_ttl_s
+            )
+            reservation = await keys.reserve(idempotency.fingerprint, batch_id)
+            if not reservation.owned:
+                return await self._replay(tenant, reservation), None
         now = time.time()
         jobs: list[JobPublic] = []
         messages: list[JobMessage] = []
@@ -372,10 +411,28 @@ class Batches:
             )
             for line, job in zip(parsed, jobs, strict=True)
         ]
-        await self._admit(tenant, record, jobs, reported, messages)
+        await self._admit(tenant, record, jobs, reported, messages, keys)
         for job in jobs:
             self._submitter.metrics.admitted_job(job.tier, job.adapter)
-        return await self.get(tenant, batch_id)  # type: ignore[return-value]
+        return await self.get(tenant, batch_id), keys  # type: ignore[return-value]
+
+    async def _replay(self, tenant: TenantRecord, reservation: Reservation) -> BatchPublic:
+        if reservation.conflict:
+            raise ApiError(
+                409,
+                ErrorCode.IDEMPOTENCY_CONFLICT,
+                "This Idempotency-Key was used with a different request "
+                f"({reservation.job_id}). Use a new key for a new batch.",
+            )
+        batch = await self.get(tenant, reservation.job_id)
+        if batch is None:
+            raise ApiError(
+                409,
+                ErrorCode.IDEMPOTENCY_CONFLICT,
+                f"This Idempotency-Key belongs to {reservation.job_id}, which is not a batch "
+                "or whose record has expired. Use a new key.",
+            )
+        return batch
 
     async def _admit(
         self,
@@ -384,7 +441,10 @@ class Batches:
         jobs: list[JobPublic],
         lines: list[BatchLine],
         messages: list[JobMessage],
+        idempotency: IdempotencyKeys | None,
     ) -> None:
+        """As ``Submitter._admit`` for one job: a refusal frees the idempotency key at once, a
+        withdrawal once it is done."""
         base = self._submitter.limits(tenant, jobs[0].tier)
         limits = admission.BatchLimits(
             tenant_max=base.tenant_max,
@@ -392,7 +452,11 @@ class Batches:
             burst=base.burst,
             tier_max={tier: self._settings.tier_limit(tier) for tier in admission.TIER_ORDER},
         )
-        _check_admissible(tenant.name, jobs, limits)
+        try:
+            _check_admissible(tenant.name, jobs, limits)
+        except ApiError:
+            await self._release(idempotency, record.id)
+            raise
         expires_at = max(m.deadline_at for m in messages) + admission.LEDGER_GRACE_S
         queues = self._submitter.queues
         encoded = [job_message(message) for message in messages]
@@ -416,6 +480,7 @@ class Batches:
             verdict, full = admission.batch_verdict(reply, jobs)
             if verdict.refusal is None:
                 return
+            await self._release(idempotency, record.id)  # also when cut short meanwhile
             tier = next((job.tier for job in jobs if job.queue == full), None)
             wanted = len(jobs) if full is None else sum(job.queue == full for job in jobs)
             raise refusal_error(
@@ -435,12 +500,20 @@ class Batches:
         async def withdraw() -> None:
             keys, args = admission.withdraw_batch_call(record, jobs, limits.burst)
             await self._withdraw_script(keys=keys, args=args)
+            if idempotency is not None:
+                await idempotency.release(record.id)
 
         async def enqueue() -> None:
             if not queues.inline:
                 await queues.push(messages, encoded)
 
         await admit_then_enqueue(admit, enqueue, withdraw)
+
+    @staticmethod
+    async def _release(idempotency: IdempotencyKeys | None, batch_id: str) -> None:
+        if idempotency is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await idempotency.release(batch_id)
 
     async def get(self, tenant: TenantRecord, batch_id: str) -> BatchPublic | None:
         fields: dict[str, str] = await self._redis.hgetall(batch_key(batch_id))  # type: ignore[assignment]

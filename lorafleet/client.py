@@ -233,13 +233,12 @@ def _batch_call(
     requests: Iterable[dict[str, Any]] | str | Path,
     webhook_url: str | None,
     deadline_s: float | None,
+    idempotency_key: str | None,
 ) -> _Call:
     """A batch from a list of job bodies (JSON), or a JSONL file of them or of OpenAI's batch
-    lines (sent as is: the gateway detects the shape)."""
-    # No idempotency key on batches yet (the route ignores one): a batch create is never sent
-    # again after a transport error (it may have been admitted); 429 and 503 are retried
-    # (nothing was admitted).
-    headers: dict[str, str] = {}
+    lines (sent as is: the gateway detects the shape). It carries an idempotency key, so it
+    is safe to send again after a transport error: the gateway admits it once."""
+    headers = {"Idempotency-Key": idempotency_key or uuid.uuid4().hex}
     if isinstance(requests, (str, Path)):
         params = {"webhook_url": webhook_url, "deadline_s": deadline_s}
         return _Call(
@@ -249,13 +248,14 @@ def _batch_call(
             params={k: v for k, v in params.items() if v is not None},
             headers={**headers, "Content-Type": "application/jsonl"},
             ok=(200, 202),
+            safe=True,
         )
     body: dict[str, Any] = {"requests": list(requests)}
     if webhook_url is not None:
         body["webhook"] = {"url": webhook_url}
     if deadline_s is not None:
         body["deadline_s"] = deadline_s
-    return _Call("POST", "/v1/batches", json=body, headers=headers, ok=(200, 202))
+    return _Call("POST", "/v1/batches", json=body, headers=headers, ok=(200, 202), safe=True)
 
 
 class AsyncClient:
@@ -263,8 +263,8 @@ class AsyncClient:
     local stack's. A refusal raises a ``GatewayError`` subclass carrying its stable ``code``;
     429 and 503 are retried up to ``max_retries`` times, waiting what ``Retry-After`` says
     (at most ``max_wait_s`` each time), and so are transport errors of requests that are safe
-    to repeat (reads, cancels, and job creates: each carries an idempotency key, generated
-    unless given; batch creates are not repeated after a transport error)."""
+    to repeat (reads, cancels, and job and batch creates: each carries an idempotency key,
+    generated unless given)."""
 
     def __init__(
         self,
@@ -274,13 +274,15 @@ class AsyncClient:
         timeout_s: float = 60.0,
         max_retries: int = 3,
         max_wait_s: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        """``transport``: httpx's, for a proxy of your own or a test's."""
         if max_retries < 0:
             raise ValueError("max_retries must be 0 or more")
         url, api_key = _stack_defaults(gateway, key)
         self._timeout_s = timeout_s
         self._http = httpx.AsyncClient(
-            base_url=url, headers=auth_headers(api_key), timeout=timeout_s
+            base_url=url, headers=auth_headers(api_key), timeout=timeout_s, transport=transport
         )
         self._max_retries = max_retries
         self._max_wait_s = max_wait_s
@@ -367,12 +369,12 @@ class AsyncClient:
         *,
         webhook_url: str | None = None,
         deadline_s: float | None = None,
+        idempotency_key: str | None = None,
     ) -> BatchPublic:
         """Admit every job of a batch or none: ``requests`` is a list of job bodies
-        (``{"adapter", "prompt", "sampling"?}``) or the path of a JSONL file of them. Not sent
-        again after a transport error: it may have been admitted (batches take no
-        idempotency key yet)."""
-        call = _batch_call(requests, webhook_url, deadline_s)
+        (``{"adapter", "prompt", "sampling"?}``) or the path of a JSONL file of them. The
+        same ``idempotency_key`` again returns the batch it admitted first."""
+        call = _batch_call(requests, webhook_url, deadline_s, idempotency_key)
         return BatchPublic.model_validate((await self._send(call)).json())
 
     async def create_openai_batch(self, path: str | Path, endpoint: str) -> BatchPublic:
@@ -387,7 +389,8 @@ class AsyncClient:
         if upload.status_code != 200:
             raise error_from(upload)
         body = {"input_file_id": upload.json()["id"], "endpoint": endpoint}
-        call = _Call("POST", "/v1/batches", json=body, ok=(200, 202))
+        headers = {"Idempotency-Key": uuid.uuid4().hex}
+        call = _Call("POST", "/v1/batches", json=body, headers=headers, ok=(200, 202), safe=True)
         return BatchPublic.model_validate((await self._send(call)).json())
 
     async def get_batch(self, batch_id: str) -> BatchPublic:
@@ -513,9 +516,15 @@ class Client:
         *,
         webhook_url: str | None = None,
         deadline_s: float | None = None,
+        idempotency_key: str | None = None,
     ) -> BatchPublic:
         return self._run(
-            self._async.create_batch(requests, webhook_url=webhook_url, deadline_s=deadline_s)
+            self._async.create_batch(
+                requests,
+                webhook_url=webhook_url,
+                deadline_s=deadline_s,
+                idempotency_key=idempotency_key,
+            )
         )
 
     def create_openai_batch(self, path: str | Path, endpoint: str) -> BatchPublic:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
@@ -28,12 +29,18 @@ from gateway.batches import (
 )
 from gateway.deps import BatchesDep, FilesDep
 from gateway.errors import ADMISSION, AUTHENTICATED, ApiError, invalid, responses, unavailable
+from gateway.idempotency import fingerprint
 from gateway.json_bodies import loads_off_loop
+from gateway.routes.jobs import IdempotencyKeyHeader
+from gateway.submit import Idempotency
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/jsonlines")
 _NDJSON: dict[int | str, dict[str, Any]] = {200: {"content": {"application/x-ndjson": {}}}}
+_REPLAY: dict[int | str, dict[str, Any]] = {
+    200: {"model": BatchPublic, "description": "Idempotent replay: the earlier batch"}
+}
 _NOT_READ = "The batch could not be read: {what} ({exc}); retry."
 
 _BODY = {
@@ -63,7 +70,8 @@ def _not_found(batch_id: str) -> ApiError:
     status_code=202,
     response_model=BatchPublic,
     openapi_extra=_BODY,
-    responses=responses(
+    responses=_REPLAY
+    | responses(
         *ADMISSION,
         ErrorCode.WEBHOOK_URL_FORBIDDEN,
         ErrorCode.BATCH_INVALID,
@@ -90,18 +98,33 @@ async def create_batch(
     deadline_s: Annotated[
         float | None, Query(gt=0, allow_inf_nan=False, description="JSONL bodies")
     ] = None,
+    idempotency_key: IdempotencyKeyHeader = None,
 ) -> BatchPublic:
     """Validate every request, then enqueue all of them (or none): a JSON body
     ``{"requests": [...], "webhook"?, "deadline_s"?}``, a JSONL body (one job a line), or
-    OpenAI's ``{"input_file_id", "endpoint"}`` naming an uploaded file."""
+    OpenAI's ``{"input_file_id", "endpoint"}`` naming an uploaded file.
+
+    With an ``Idempotency-Key`` seen before (the same body, byte for byte, and query): 200
+    and the earlier batch, nothing enqueued again."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip()
     body = await request.body()
+    idempotency = None
+    if idempotency_key is not None:
+        asked = {
+            "content_type": content_type,
+            "body": hashlib.sha256(body).hexdigest(),
+            "webhook_url": webhook_url,
+            "deadline_s": deadline_s,
+        }
+        idempotency = Idempotency(idempotency_key, fingerprint("/v1/batches", asked))
     if content_type in JSONL_TYPES:
         # Parsing a large body takes long enough to stall every other request: off the loop.
         items = await run_in_threadpool(jsonl, body)
         lines = [_parsed(item, parse_native) for item in items]
         webhook = WebhookTarget(url=webhook_url) if webhook_url else None
-        batch = await batches.create(tenant, caller, lines, "/v1/jobs", webhook, deadline_s)
+        batch, replayed = await batches.create(
+            tenant, caller, lines, "/v1/jobs", webhook, deadline_s, idempotency=idempotency
+        )
     else:
         try:
             payload: Any = await loads_off_loop(body)
@@ -120,13 +143,14 @@ async def create_batch(
             lines = [
                 _parsed(item, lambda value, n: parse_openai(value, n, endpoint)) for item in items
             ]
-            batch = await batches.create(
+            batch, replayed = await batches.create(
                 tenant,
                 caller,
                 lines,
                 spec.endpoint,
                 metadata=spec.metadata,
                 input_file_id=spec.input_file_id,
+                idempotency=idempotency,
             )
         else:
             try:
@@ -134,7 +158,7 @@ async def create_batch(
             except ValidationError as exc:
                 raise invalid(exc) from exc
             lines = [parse_native(item, n) for n, item in enumerate(create.requests, 1)]
-            batch = await batches.create(
+            batch, replayed = await batches.create(
                 tenant,
                 caller,
                 lines,
@@ -142,7 +166,10 @@ async def create_batch(
                 create.webhook,
                 create.deadline_s,
                 create.metadata,
+                idempotency=idempotency,
             )
+    if replayed:
+        response.status_code = 200
     response.headers["Location"] = f"/v1/batches/{batch.id}"
     return batch
 

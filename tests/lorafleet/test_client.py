@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from redis import Redis
 
@@ -33,7 +34,7 @@ from lorafleet.client import (
     verify_webhook,
 )
 from lorafleet.tenants import Tenants
-from tests.helpers import hot_alias
+from tests.helpers import hot_alias, job_records
 
 GREEDY = {"max_tokens": 4, "temperature": 0.0}
 
@@ -124,6 +125,46 @@ def test_the_async_client_retries_a_rate_refusal_after_its_retry_after(
     assert refusal.code == ErrorCode.TENANT_RATE_EXCEEDED and refusal.retry_after_s >= 1
     assert isinstance(refusal, GatewayError) and refusal.status_code == 429
     assert [job.status for job in jobs] == [JobStatus.SUCCEEDED, JobStatus.SUCCEEDED]
+
+
+class _LosesFirstReply(httpx.AsyncBaseTransport):
+    """Forwards every request; the first POST's reply is lost on the way back (the gateway
+    did admit it)."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.posts: list[str | None] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if request.method == "POST":
+            self.posts.append(request.headers.get("Idempotency-Key"))
+            if len(self.posts) == 1:
+                await response.aread()
+                raise httpx.ReadError("connection reset by peer", request=request)
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_a_batch_create_whose_reply_was_lost_is_sent_again_and_admitted_once(
+    gateway_url: str, api_key: str, redis: Redis, published: dict[str, AdapterRecord]
+) -> None:
+    alias = hot_alias(published)
+    requests = [{"adapter": alias, "prompt": f"Lost {n}", "sampling": GREEDY} for n in range(2)]
+    lossy = _LosesFirstReply()
+
+    async def go() -> BatchPublic:
+        async with AsyncClient(gateway_url, api_key, transport=lossy) as client:
+            batch = await client.create_batch(requests)
+            return await client.wait_batch(batch.id, timeout_s=300, poll_s=0.2)
+
+    before = job_records(redis)
+    batch = asyncio.run(go())
+    assert len(lossy.posts) == 2 and lossy.posts[0] == lossy.posts[1] is not None
+    assert batch.status == "completed" and batch.counts.succeeded == 2
+    assert job_records(redis) == before + 2  # admitted once: 2 jobs, not 4
 
 
 def test_verify_webhook_accepts_our_signature_and_refuses_anything_else() -> None:
