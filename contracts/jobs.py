@@ -178,6 +178,11 @@ class ResultMetadata(BaseModel):
     identity_verified: bool
     base_model: BaseModelRef
     residency_before: Residency
+    prefetched: bool = Field(
+        default=False,
+        description="the level `residency_before` names (`disk`, `cpu`) was reached by a "
+        "prefetch (the worker's queue look-ahead), not by a job",
+    )
     load_ms: LoadTimings
     queue_wait_ms: float
     ttft_ms: float | None

@@ -29,6 +29,7 @@ JOB_DELIVERIES = "lorafleet_job_deliveries_total"
 ENGINE_FAILURES = "lorafleet_engine_failures_total"
 DEADLINE_BEYOND_VISIBILITY = "lorafleet_deadline_beyond_visibility_total"
 JOB_CPU = "lorafleet_job_cpu_seconds_total"
+ADAPTER_PREFETCHES = "lorafleet_adapter_prefetches_total"
 
 OTHER = "other"
 """The ``adapter`` label of requests for aliases beyond the top K."""
@@ -57,5 +58,6 @@ ALL = frozenset(
         ENGINE_FAILURES,
         DEADLINE_BEYOND_VISIBILITY,
         JOB_CPU,
+        ADAPTER_PREFETCHES,
     }
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import logging
+import math
 import os
 import queue
 import random
@@ -24,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from botocore.exceptions import BotoCoreError, ClientError
 from pydantic import ValidationError
@@ -60,6 +61,16 @@ def _missing(error: ClientError) -> bool:
 
 class _StreamBroken(Exception):
     """The connection broke while reading an object's body (worth retrying)."""
+
+
+class NoRoom(AdapterUnavailableError):
+    """A prefetch found no room without evicting what it may not (never a job's error: a job
+    that joined that download starts its own)."""
+
+
+DEFAULT_FETCH_MS_PER_MB = 20.0
+"""The fetch cost assumed for an entry whose fetch this process did not time (found on disk
+at start), until one was timed: then the mean per-byte cost of those timed."""
 
 
 class _HashingWriter:
@@ -104,12 +115,17 @@ class _HashingWriter:
 
 
 class AdapterCache:
-    """S3 -> disk, bounded in bytes, LRU, one download per digest however many ask at once.
+    """S3 -> disk, bounded in bytes, one download per digest however many ask at once.
 
     A job ``hold``s its adapter from before it is needed until its generation ends; held
     entries are never evicted, so the engine can always (re)load from the path it was given.
     The bound covers finished entries plus downloads in flight (reserved before the first
     byte is written), so the directory never exceeds ``max_bytes``.
+
+    Eviction (``policy``): ``cost`` evicts the unheld entry that costs least to bring back
+    per byte it frees: its decayed request rate (jobs asking for it, plus jobs a prefetch
+    saw waiting for it: ``expect``) times its measured fetch time, divided by its size, the
+    least recently used first among equals; ``lru`` evicts the least recently used.
     """
 
     def __init__(
@@ -121,6 +137,8 @@ class AdapterCache:
         wait_s: float = 60.0,
         stream_attempts: int = 3,
         max_downloads: int = 8,
+        policy: Literal["cost", "lru"] = "cost",
+        rate_half_life_s: float = 600.0,
     ) -> None:
         self._root = root
         self._stream_attempts = stream_attempts
@@ -139,8 +157,14 @@ class AdapterCache:
         self._fetcher = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_downloads, thread_name_prefix="adapter-download"
         )
+        self._policy = policy
+        self._decay_s = rate_half_life_s / math.log(2)
+        self._rate: dict[str, tuple[float, float]] = {}  # digest -> (requests, as of when)
+        self._fetch_ms: dict[str, float] = {}  # digest -> its last timed fetch
         self.on_change: Callable[[], None] = lambda: None
         """Called (lock held: it must not block) when an adapter arrives or leaves the disk."""
+        self.on_evict: Callable[[str], None] = lambda digest: None
+        """Called (lock held: it must not block) with a digest evicted or quarantined."""
         self._scan()
 
     def _scan(self) -> None:
@@ -232,36 +256,98 @@ class AdapterCache:
         still waiting and those to come. ``check`` (if given) is called while the job waits
         and raises to stop the wait (the job was stopped: engine failure, drain, cancel).
         """
+        self.expect(digest)
         if self._touch(digest):
             return Fetched(self.path_for(digest), None, None, None)
-        with self._cond:
-            download = self._downloads.get(digest)
-            started = download is None
-            if download is None:
-                download = self._fetcher.submit(self._download_once, digest)
-                self._downloads[digest] = download
         while True:
+            with self._cond:
+                download = self._downloads.get(digest)
+                started = download is None
+                if download is None:
+                    download = self._fetcher.submit(self._download_once, digest, None)
+                    self._downloads[digest] = download
             try:
-                fetched = download.result(timeout=wait_slice(deadline_at, check))
+                fetched = self._wait(download, deadline_at, check)
                 break
-            except concurrent.futures.TimeoutError:
-                if check is None or passed(deadline_at):
-                    raise late("waited for its adapter's download") from None
-            except JobFailure as failure:
-                raise failure.copy() from failure
+            except NoRoom:
+                continue  # a prefetch's download gave up for room: this job's own one now
         if started:
             return fetched
         # Another job's download: the files are verified, but this job did not time them.
         return Fetched(fetched.path, fetched.loaded_digest, None, None)
 
-    def _download_once(self, digest: str) -> Fetched:
+    @staticmethod
+    def _wait(
+        download: concurrent.futures.Future[Fetched],
+        deadline_at: float | None,
+        check: Callable[[], None] | None,
+    ) -> Fetched:
+        while True:
+            try:
+                return download.result(timeout=wait_slice(deadline_at, check))
+            except concurrent.futures.TimeoutError:
+                if check is None or passed(deadline_at):
+                    raise late("waited for its adapter's download") from None
+            except NoRoom:
+                raise
+            except JobFailure as failure:
+                raise failure.copy() from failure
+
+    def prefetch(self, digest: str, protect: frozenset[str]) -> Fetched | None:
+        """Download and verify ``digest`` ahead of its jobs, exactly as ``ensure`` would, but
+        making room only by evicting unheld entries outside ``protect`` and never waiting
+        for room (``NoRoom``). ``None`` when it is on disk or being downloaded already.
+        Raises what a job's download would (``AdapterIntegrityError`` for altered files:
+        nothing of them is kept)."""
+        with self._cond:
+            if digest in self._entries or digest in self._downloads:
+                return None
+            download = self._fetcher.submit(self._download_once, digest, protect)
+            self._downloads[digest] = download
+        return download.result()
+
+    def expect(self, digest: str, requests: float = 1.0) -> None:
+        """Count ``requests`` more asking for ``digest`` in its decayed request rate."""
+        now = time.monotonic()
+        with self._cond:
+            value, at = self._rate.get(digest, (0.0, now))
+            self._rate[digest] = (value * math.exp((at - now) / self._decay_s) + requests, now)
+
+    def _cost(self, digest: str, now: float) -> float:
+        """What evicting ``digest`` costs per byte it frees (lock held)."""
+        size = max(self._entries.get(digest, 1), 1)
+        value, at = self._rate.get(digest, (0.0, now))
+        rate = value * math.exp((at - now) / self._decay_s)
+        fetch_ms = self._fetch_ms.get(digest)
+        if fetch_ms is None:
+            timed = [
+                (self._fetch_ms[d], self._entries[d]) for d in self._fetch_ms if d in self._entries
+            ]
+            per_byte = (
+                sum(ms for ms, _ in timed) / max(sum(b for _, b in timed), 1)
+                if timed
+                else DEFAULT_FETCH_MS_PER_MB / 1e6
+            )
+            fetch_ms = per_byte * size
+        return rate * fetch_ms / size
+
+    def _forget(self, digest: str) -> None:
+        """An entry left the disk: drop what was kept about it (lock held)."""
+        if digest not in self._downloads:
+            self._rate.pop(digest, None)
+        self._fetch_ms.pop(digest, None)
+        self.on_evict(digest)
+
+    def _download_once(self, digest: str, protect: frozenset[str] | None) -> Fetched:
         try:
             if self._touch(digest):  # a download that finished just before this one began
                 return Fetched(self.path_for(digest), None, None, None)
-            return self._download(digest)
+            return self._download(digest, protect)
         finally:
             with self._cond:
                 self._downloads.pop(digest, None)
+                if digest not in self._entries and not self._holds.get(digest):
+                    self._rate.pop(digest, None)  # it failed: nothing to keep about it
 
     def verify(self, digest: str) -> tuple[str, float]:
         """Re-hash the files on disk; on mismatch quarantine them and fail closed.
@@ -286,7 +372,8 @@ class AdapterCache:
     def _quarantine(self, digest: str, path: Path) -> None:
         target = self._root / "quarantine" / f"{path.name}.{uuid.uuid4().hex[:8]}"
         with self._cond:
-            self._entries.pop(digest, None)
+            if self._entries.pop(digest, None) is not None:
+                self._forget(digest)
             self._changed()
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -299,27 +386,43 @@ class AdapterCache:
                 return
         shutil.rmtree(target, ignore_errors=True)
 
-    def _evict_until(self, needed: int) -> bool:
-        """Evict unheld entries, oldest first, until ``needed`` more bytes fit. Lock held."""
+    def _evict_until(self, needed: int, protect: frozenset[str] = frozenset()) -> bool:
+        """Evict unheld entries outside ``protect``, cheapest first (``policy``), until
+        ``needed`` more bytes fit. Lock held."""
         used = sum(self._entries.values()) + self._reserved
-        for digest in list(self._entries):
+        if used + needed <= self._max_bytes:
+            return True
+        order = list(self._entries)  # least recently used first
+        if self._policy == "cost":
+            now = time.monotonic()
+            order.sort(key=lambda digest: self._cost(digest, now))  # stable: LRU breaks ties
+        for digest in order:
             if used + needed <= self._max_bytes:
                 break
-            if self._holds.get(digest):
+            if self._holds.get(digest) or digest in protect:
                 continue
             used -= self._entries.pop(digest)
             shutil.rmtree(self.path_for(digest), ignore_errors=True)
             metrics.EVICTIONS.labels("disk").inc()
+            self._forget(digest)
             self._changed()
             log.info("disk cache evicted %s", digest)
         return used + needed <= self._max_bytes
 
-    def _reserve(self, digest: str, size: int) -> None:
+    def _reserve(self, digest: str, size: int, protect: frozenset[str] | None = None) -> None:
+        """Room for ``size`` bytes, waiting up to ``wait_s`` for held entries to be let go;
+        for a prefetch (``protect`` given) room without evicting those, or ``NoRoom``."""
         if size > self._max_bytes:
             raise AdapterUnavailableError(
                 f"Revision {digest} is {size} bytes, more than this worker's disk cache "
                 f"({self._max_bytes} bytes)."
             )
+        if protect is not None:
+            with self._cond:
+                if not self._evict_until(size, protect | {digest}):
+                    raise NoRoom(f"no room for prefetching {digest}")
+                self._reserved += size
+            return
         deadline = time.monotonic() + self._wait_s
         with self._cond:
             while not self._evict_until(size):
@@ -332,10 +435,10 @@ class AdapterCache:
                 self._cond.wait(remaining)
             self._reserved += size
 
-    def _download(self, digest: str) -> Fetched:
+    def _download(self, digest: str, protect: frozenset[str] | None) -> Fetched:
         start = time.perf_counter()
         manifest = self._fetch_manifest(digest)
-        self._reserve(digest, manifest.size_bytes)
+        self._reserve(digest, manifest.size_bytes, protect)
         tmp = self._root / "tmp" / f"{digest.removeprefix(DIGEST_PREFIX)}.{uuid.uuid4().hex}"
         try:
             tmp.mkdir()
@@ -351,6 +454,7 @@ class AdapterCache:
             self._place(tmp, final)
             with self._cond:
                 self._entries[digest] = manifest.size_bytes
+                self._fetch_ms[digest] = fetch_ms
                 self._changed()
             return Fetched(final, loaded, fetch_ms, _ms(verify_start))
         except OSError as exc:

@@ -73,6 +73,30 @@ class WorkerSettings(ServiceSettings):
     disk_cache_bytes: int = Field(
         default=20 * 1024**3, gt=0, description="Byte bound of the local adapter disk cache (LRU)."
     )
+    disk_eviction: Literal["cost", "lru"] = Field(
+        default="cost",
+        description="Which disk cache entry goes first when space is needed: `cost`, the "
+        "least (decayed request rate x measured fetch time) per byte; `lru`, the least "
+        "recently used.",
+    )
+    disk_rate_half_life_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Half-life of the per-adapter request rate the `cost` eviction weighs.",
+    )
+    prediction: Literal["off", "lookahead"] = Field(
+        default="lookahead",
+        description="Prefetching: `lookahead` fetches and verifies the adapters of jobs "
+        "waiting in this worker's queues (the next `LORAFLEET_LOOKAHEAD_JOBS` of each) into "
+        "the disk cache before their jobs are taken, and registers them in the engine while "
+        "it has a free CPU place and no job waits for a GPU slot; `off` fetches on demand.",
+    )
+    lookahead_jobs: int = Field(
+        default=32, ge=1, le=1000, description="Waiting jobs looked at per queue per pass."
+    )
+    prefetch_interval_s: float = Field(
+        default=0.25, gt=0, description="How often the look-ahead reads the queues' heads."
+    )
     disk_wait_s: float = Field(
         default=60.0,
         gt=0,

@@ -51,6 +51,13 @@ LOAD = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 EVICTIONS = Counter(names.ADAPTER_EVICTIONS, "Adapters evicted, by level.", ["level"])
+PREFETCHES = Counter(
+    names.ADAPTER_PREFETCHES,
+    "Adapter prefetches by trigger (lookahead) and outcome: started; made resident on disk or "
+    "in the engine (disk, engine); used (a job found it there); wasted (evicted unused); "
+    "failed (the download or verification failed).",
+    ["trigger", "outcome"],
+)
 RESIDENT = Gauge(names.ADAPTERS_RESIDENT, "Adapters resident on this worker.", ["level"])
 IDENTITY = Counter(
     names.IDENTITY_CHECKS,

@@ -111,6 +111,10 @@ class SlotGate:
         self._capacity = capacity
         self._admit()
 
+    def free_for(self, lora_id: int) -> bool:
+        """A slot for ``lora_id`` would be given at once, ahead of nobody."""
+        return not self.waiting and self._fits(lora_id)
+
     @property
     def waiting(self) -> int:
         """Jobs waiting for a slot now."""
@@ -179,11 +183,17 @@ class EngineAdapters:
     """Makes verified adapters resident in the engine, once per digest at a time."""
 
     def __init__(
-        self, host: EngineHost, cache: AdapterCache, max_loras: int, slot_bypass_jobs: int = 0
+        self,
+        host: EngineHost,
+        cache: AdapterCache,
+        max_loras: int,
+        slot_bypass_jobs: int = 0,
+        max_cpu_loras: int | None = None,
     ) -> None:
         self._host = host
         self._cache = cache
         self._max_loras = max_loras
+        self._max_cpu_loras = max_cpu_loras  # None: nothing is registered ahead of its jobs
         self._guard = threading.Lock()
         self._ids: dict[str, int] = {}
         self._handed: dict[int, str] = {}
@@ -443,6 +453,69 @@ class EngineAdapters:
             return fetched.loaded_digest
         loaded, timings.verify = self._cache.verify(digest)
         return loaded
+
+    def engine_has_room(self, timeout_s: float = 5.0) -> bool:
+        """Registering one more adapter now would evict nothing from the engine's CPU cache
+        and take no GPU slot a waiting job is owed (its own answer, as ``registered``)."""
+        if self._max_cpu_loras is None or self._gate.waiting:
+            return False
+        try:
+            held = self.registered(time.time() + timeout_s)
+        except (JobFailure, EngineFailed):
+            return False
+        return len(held) < self._max_cpu_loras
+
+    def holds(self, digest: str, timeout_s: float = 5.0) -> bool:
+        """The engine holds ``digest`` now (as ``registered``; False if it did not say)."""
+        with self._guard:
+            lora_id = self._ids.get(digest)
+        if lora_id is None:
+            return False
+        try:
+            return lora_id in self.registered(time.time() + timeout_s)
+        except (JobFailure, EngineFailed):
+            return False
+
+    def prefetch_into_engine(
+        self,
+        alias: str,
+        digest: str,
+        loading: Callable[[bool], None] = lambda started: None,
+        timeout_s: float = 60.0,
+    ) -> bool:
+        """Register ``digest`` (on disk, held by the caller) in the engine ahead of its jobs,
+        only while that costs nothing: a free place in the engine's CPU cache (nothing is
+        evicted) and a GPU slot free now with no job waiting for one (``add_lora`` activates
+        the adapter into a slot at once: it takes the slot through the gate, as a job would,
+        and gives it back once loaded). The files are hashed again before the engine reads
+        them, as for any adapter found on disk. True if this call registered it.
+
+        ``loading(True)`` is called on the engine loop once it is decided (the adapter not
+        in the engine, nothing else can register it first), before the load, so that a job
+        that finds it there can tell who put it there; ``loading(False)`` if the load
+        failed."""
+        if self._max_cpu_loras is None:
+            return False
+        max_cpu = self._max_cpu_loras
+        staged = Staged(self.request_for(alias, digest), digest, None)
+        lora_id = staged.request.lora_int_id
+
+        async def register() -> bool:
+            registered = await self.registered_on_loop()
+            if lora_id in registered or len(registered) >= max_cpu:
+                return False
+            if not self._gate.free_for(lora_id):
+                return False
+            async with self._gate.slot(lora_id):
+                loading(True)
+                try:
+                    await self.load(staged, LoadTimings(), time.time() + timeout_s)
+                except BaseException:
+                    loading(False)
+                    raise
+            return True
+
+        return self._host.run(register(), timeout_s)
 
     def pin(self, alias: str, digest: str) -> Resident:
         """Load ``digest`` into a GPU slot for good (the caller keeps it held on disk)."""

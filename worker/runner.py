@@ -11,7 +11,7 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +106,10 @@ class JobRunner:
         base_model: BaseModelRef,
         hostname: str,
         deltas: DeltaPublisher,
+        prefetched: Callable[[str, Residency], bool] = lambda digest, residency: False,
     ) -> None:
+        self._prefetched = prefetched
+        """Whether a prefetch brought a digest to the level a job found it at."""
         self._host = host
         self._deltas = deltas
         self._cache = cache
@@ -133,6 +136,7 @@ class JobRunner:
         started = time.time()
         timings = LoadTimings()
         residency: Residency = "unknown"
+        prefetched = False
         try:
             running.check()
             _check_deadline(message, "waited in the queue")
@@ -146,6 +150,7 @@ class JobRunner:
                 registered = self._adapters.registered(message.deadline_at)
                 metrics.RESIDENT.labels("cpu").set(len(registered))
                 residency = self._adapters.observe(message.revision, registered)
+                prefetched = self._prefetched(message.revision, residency)
                 staged = self._adapters.stage(
                     message.adapter, message.revision, timings, message.deadline_at, running
                 )
@@ -157,10 +162,18 @@ class JobRunner:
         except EngineFailed:
             raise JobStopped(StopReason.ENGINE_FAILED) from None
         except JobFailure as failure:
-            failure.metadata = self._metadata(message, started, residency, timings, None, None)
+            failure.metadata = self._metadata(
+                message, started, residency, timings, None, None, prefetched
+            )
             raise
         metadata = self._metadata(
-            message, started, residency, timings, generation.loaded_digest, generation.ttft_ms
+            message,
+            started,
+            residency,
+            timings,
+            generation.loaded_digest,
+            generation.ttft_ms,
+            prefetched,
         )
         return generation.result, metadata
 
@@ -172,6 +185,7 @@ class JobRunner:
         timings: LoadTimings,
         loaded_digest: str | None,
         ttft_ms: float | None,
+        prefetched: bool,
     ) -> ResultMetadata:
         return ResultMetadata(
             adapter=message.adapter,
@@ -180,6 +194,7 @@ class JobRunner:
             identity_verified=loaded_digest == message.revision,
             base_model=self._base_model,
             residency_before=residency,
+            prefetched=prefetched,
             load_ms=timings,
             queue_wait_ms=round((started - message.accepted_at) * 1000, 3),
             ttft_ms=ttft_ms,

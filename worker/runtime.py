@@ -43,6 +43,7 @@ from worker.inflight import InFlight
 from worker.job_store import JobStore
 from worker.leases import LeaseKeeper
 from worker.pins import Pins
+from worker.prefetch import NoPrefetch, Prefetcher
 from worker.reaper import QueueKeeper, Reaper, hand_back
 from worker.registry import preload_sets, record_pools
 from worker.residency import EngineAdapters
@@ -121,6 +122,8 @@ class WorkerRuntime:
             max_bytes=settings.disk_cache_bytes,
             wait_s=settings.disk_wait_s,
             stream_attempts=settings.s3_max_attempts,
+            policy=settings.disk_eviction,
+            rate_half_life_s=settings.disk_rate_half_life_s,
         )
         self.base_model = base_model_ref(settings.model)
         self.pool_queues = pool_queues(self.base_model.digest, settings.tier_list)
@@ -129,13 +132,34 @@ class WorkerRuntime:
         self.host = EngineHost(EngineOptions.from_settings(settings))
         self.host.on_failure(self._engine_failed)
         self.adapters = EngineAdapters(
-            self.host, self.cache, settings.max_loras, settings.slot_bypass_jobs
+            self.host,
+            self.cache,
+            settings.max_loras,
+            settings.slot_bypass_jobs,
+            max_cpu_loras=settings.max_cpu_loras,
         )
+        self.prefetcher: Prefetcher | NoPrefetch = NoPrefetch()
+        if settings.prediction == "lookahead":
+            self.prefetcher = Prefetcher(
+                self.redis,
+                self.adapters,
+                self.cache,
+                self.base_model.digest,
+                [*self.pool_queues, self.queue],
+                settings.lookahead_jobs,
+                settings.prefetch_interval_s,
+            )
         self.deltas = DeltaPublisher(
             self.redis, self.worker_id, settings.lease_ttl_s, self.jobs.note_outage
         )
         self.runner = JobRunner(
-            self.host, self.cache, self.adapters, self.base_model, self.hostname, self.deltas
+            self.host,
+            self.cache,
+            self.adapters,
+            self.base_model,
+            self.hostname,
+            self.deltas,
+            self.prefetcher.found,
         )
         self.inflight = InFlight()
         self.held = HeldDeliveries(self.redis, self.worker_id)
@@ -246,6 +270,7 @@ class WorkerRuntime:
         self.reaper.start()
         self.queue_keeper.start()
         self.pins.start()
+        self.prefetcher.start()
         self.leases.start()
         self.sweeper.start()
 
@@ -498,6 +523,7 @@ class WorkerRuntime:
         self.reaper.close()
         self.queue_keeper.close()
         self.pins.close()
+        self.prefetcher.close()
         self.deltas.close()
         self.held.close()
         self.scripts.close()

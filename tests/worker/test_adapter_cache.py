@@ -17,7 +17,7 @@ from contracts.storage import blob_key
 from lorafleet.publish import upload_artifact
 from lorafleet.stack import LocalStack
 from lorafleet.validation import ADAPTER_FILES
-from worker.adapter_cache import AdapterCache
+from worker.adapter_cache import AdapterCache, NoRoom
 from worker.errors import (
     AdapterIntegrityError,
     AdapterUnavailableError,
@@ -407,3 +407,97 @@ def test_object_larger_than_its_manifest_is_cut_off_and_refused(
         cache.ensure(digest)
     assert "larger than its manifest" in caught.value.message
     assert _leftovers(tmp_path / "cache") == []
+
+
+def _three(s3: Any, bucket: str, tmp_path: Path, tag: str) -> tuple[list[str], int]:
+    digests = [
+        _publish(s3, bucket, _artifact(tmp_path, f"{tag}-{n}", bytes([65 + n]) * 20_000))
+        for n in range(3)
+    ]
+    return digests, manifest_of(tmp_path / f"{tag}-0", ADAPTER_FILES).size_bytes
+
+
+@pytest.mark.parametrize("policy", ["lru", "cost"])
+def test_cost_eviction_keeps_the_adapter_asked_for_most_and_lru_the_one_used_last(
+    infra: LocalStack, s3: Any, tmp_path: Path, policy: str
+) -> None:
+    """Room for two of three equal adapters. A was fetched first and asked for 20 times, B
+    once, later: a third download evicts A under LRU (least recently used) and B under the
+    cost policy (requests x fetch time per byte: B's is a twentieth of A's, A's fetch, the
+    first of the process, being no faster than B's)."""
+    bucket = infra.settings.s3_bucket
+    (a, b, c), size = _three(s3, bucket, tmp_path, policy)
+    cache = AdapterCache(
+        tmp_path / "cache",
+        s3,
+        bucket,
+        max_bytes=2 * size + 10,
+        policy=policy,  # type: ignore[arg-type]
+    )
+    cache.ensure(a)
+    for _ in range(19):
+        cache.ensure(a)
+    cache.ensure(b)
+    cache.ensure(c)
+    kept = {d for d in (a, b) if cache.has(d)}
+    assert kept == ({b} if policy == "lru" else {a})
+    assert cache.has(c)
+
+
+def test_a_prefetch_makes_room_only_from_what_no_job_holds_or_wants(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    bucket = infra.settings.s3_bucket
+    (a, b, c), size = _three(s3, bucket, tmp_path, "room")
+    cache = AdapterCache(tmp_path / "cache", s3, bucket, max_bytes=size + 10)
+    cache.ensure(a)
+    with cache.hold(a), pytest.raises(NoRoom):  # a running job holds A
+        cache.prefetch(b, frozenset())
+    with pytest.raises(NoRoom):  # a waiting job wants A
+        cache.prefetch(b, frozenset({a, b}))
+    assert cache.has(a) and not cache.has(b)
+    assert list((tmp_path / "cache" / "tmp").iterdir()) == []
+    fetched = cache.prefetch(b, frozenset({b, c}))
+    assert fetched is not None and fetched.loaded_digest == b
+    assert cache.has(b) and not cache.has(a)
+    assert cache.prefetch(b, frozenset()) is None  # on disk already: nothing to do
+
+
+def test_a_job_that_joins_a_prefetch_which_finds_no_room_downloads_its_adapter_itself(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    """A job asks for B while a prefetch of B is under way; the prefetch gives up (the only
+    entry it could evict is wanted by a waiting job): the job is not failed for that, it
+    downloads B on its own, evicting what a job may."""
+    bucket = infra.settings.s3_bucket
+    (a, b, _), size = _three(s3, bucket, tmp_path, "join")
+    slow = SlowS3(s3, delay_s=0.3)
+    cache = AdapterCache(tmp_path / "cache", slow, bucket, max_bytes=size + 10)
+    cache.ensure(a)
+    with ThreadPoolExecutor(2) as pool:
+        prefetch = pool.submit(cache.prefetch, b, frozenset({a}))
+        time.sleep(0.1)  # the prefetch is reading B's manifest
+        job = pool.submit(cache.ensure, b, time.time() + 60)
+        with pytest.raises(NoRoom):
+            prefetch.result()
+        assert job.result().loaded_digest == b
+    assert cache.has(b) and not cache.has(a)
+
+
+def test_a_tampered_prefetch_fails_verification_and_keeps_nothing(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    bucket = infra.settings.s3_bucket
+    directory = _artifact(tmp_path, "tampered-prefetch", b"good-weights" * 100)
+    digest = _publish(s3, bucket, directory)
+    weights = manifest_of(directory, ADAPTER_FILES).files[1]
+    s3.put_object(Bucket=bucket, Key=blob_key(weights.sha256), Body=b"evil-weights" * 100)
+    evicted: list[str] = []
+    cache = AdapterCache(tmp_path / "cache", s3, bucket, max_bytes=BOUND)
+    cache.on_evict = evicted.append
+    with pytest.raises(AdapterIntegrityError):
+        cache.prefetch(digest, frozenset())
+    assert not cache.has(digest) and _leftovers(tmp_path / "cache") == []
+    with pytest.raises(AdapterIntegrityError):  # its job fails the same way, on its own fetch
+        cache.ensure(digest)
+    assert evicted == []

