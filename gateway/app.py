@@ -18,6 +18,7 @@ from gateway.files import Files
 from gateway.json_bodies import StrictJsonBodies
 from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels
+from gateway.popularity import PopularityCounter
 from gateway.queue import JobQueues
 from gateway.routes import batches, files, fleet, health, jobs, openai
 from gateway.routing import FleetRouter
@@ -52,6 +53,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.metrics = GatewayMetrics(settings.metrics_top_adapters)
         app.state.router = FleetRouter(app.state.redis, settings, app.state.metrics)
         app.state.router.start()
+        app.state.popularity = PopularityCounter(app.state.redis, settings.popularity_top_k)
+        app.state.popularity.start()
         app.state.submitter = Submitter(
             app.state.redis,
             queues,
@@ -59,6 +62,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             app.state.metrics,
             settings,
             app.state.router,
+            app.state.popularity,
         )
         app.state.batches = Batches(app.state.redis, app.state.submitter, settings)
         app.state.files = Files(app.state.redis, app.state.batches, settings)
@@ -82,6 +86,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             await app.state.streams.stop()
             await app.state.waiter.stop()
             await app.state.router.stop()
+            await app.state.popularity.stop()
             await reader.aclose()
             await events.aclose()
             await app.state.redis.aclose()

@@ -414,6 +414,8 @@ class Batches:
         await self._admit(tenant, record, jobs, reported, messages, keys)
         for job in jobs:
             self._submitter.metrics.admitted_job(job.tier, job.adapter)
+        if self._submitter.popularity is not None:
+            self._submitter.popularity.count(jobs)
         return await self.get(tenant, batch_id), keys  # type: ignore[return-value]
 
     async def _replay(self, tenant: TenantRecord, reservation: Reservation) -> BatchPublic:

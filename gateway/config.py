@@ -133,6 +133,13 @@ class GatewaySettings(ServiceSettings):
         description="Serve `/metrics` without a key (only where the gateway port is private); "
         "otherwise it takes an operator tenant's key, as Prometheus' `authorization` sends it.",
     )
+    popularity_top_k: int = Field(
+        default=64,
+        ge=1,
+        le=10_000,
+        description="Adapters per pool whose decayed request counts are kept for the workers' "
+        "popularity prefetch (the rest are dropped).",
+    )
     metrics_top_adapters: int = Field(
         default=20, ge=0, description="Adapters counted by name in metrics; the rest are 'other'."
     )

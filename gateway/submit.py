@@ -38,6 +38,7 @@ from gateway.errors import ADMISSION_TIMED_OUT, ApiError, unavailable
 from gateway.idempotency import IdempotencyKeys, Reservation
 from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels, ChatTemplateError, ServedModel
+from gateway.popularity import PopularityCounter
 from gateway.queue import JobQueues, job_message
 from gateway.registry import Resolved
 from gateway.routing import FleetRouter, destination
@@ -107,8 +108,10 @@ class Submitter:
         metrics: GatewayMetrics,
         settings: GatewaySettings,
         router: FleetRouter | None = None,
+        popularity: PopularityCounter | None = None,
     ) -> None:
         self._redis = redis
+        self.popularity = popularity
         self.queues = queues
         self._router = router
         self._admit_script = redis.register_script(admission.ADMIT)
@@ -141,6 +144,8 @@ class Submitter:
             )
         if not admitted.replayed:
             self.metrics.admitted_job(admitted.job.tier, admitted.job.adapter)
+            if self.popularity is not None:
+                self.popularity.count([admitted.job])
         if reserved is not None and idempotency is not None:
             # The job is enqueued: answer 202 even if the key can't be marked (it then
             # expires as pending instead of being remembered for the full TTL).

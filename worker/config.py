@@ -84,12 +84,31 @@ class WorkerSettings(ServiceSettings):
         gt=0,
         description="Half-life of the per-adapter request rate the `cost` eviction weighs.",
     )
-    prediction: Literal["off", "lookahead"] = Field(
+    prediction: Literal["off", "lookahead", "popularity"] = Field(
         default="lookahead",
         description="Prefetching: `lookahead` fetches and verifies the adapters of jobs "
         "waiting in this worker's queues (the next `LORAFLEET_LOOKAHEAD_JOBS` of each) into "
         "the disk cache before their jobs are taken, and registers them in the engine while "
-        "it has a free CPU place and no job waits for a GPU slot; `off` fetches on demand.",
+        "it has a free CPU place and no job waits for a GPU slot; `popularity` also keeps the "
+        "pool's `LORAFLEET_POPULARITY_PREFETCH` most asked-for adapters (the gateways' decayed "
+        "counts) in free disk room and free engine places, and warms them up before the "
+        "worker takes jobs; `off` fetches on demand.",
+    )
+    popularity_prefetch: int = Field(
+        default=4,
+        ge=1,
+        le=1000,
+        description="With `LORAFLEET_PREDICTION=popularity`: how many of the pool's most "
+        "asked-for adapters a worker prefetches.",
+    )
+    popularity_check_s: float = Field(
+        default=5.0, gt=0, description="How often the pool's popularity is read (one round trip)."
+    )
+    warmup_timeout_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="How long a starting worker may spend warming up popular adapters before "
+        "it takes jobs.",
     )
     lookahead_jobs: int = Field(
         default=32, ge=1, le=1000, description="Waiting jobs looked at per queue per pass."

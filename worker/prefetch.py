@@ -30,7 +30,9 @@ from collections.abc import Iterable
 
 from redis import Redis
 
+from contracts import popularity
 from contracts.jobs import Residency
+from contracts.queues import pool_id
 from worker import metrics
 from worker.adapter_cache import AdapterCache, NoRoom
 from worker.background import Periodic
@@ -40,6 +42,8 @@ from worker.residency import EngineAdapters
 log = logging.getLogger(__name__)
 
 LOOKAHEAD = "lookahead"
+POPULARITY = "popularity"
+WARMUP = "warmup"
 RETRY_FAILED_S = 30.0
 """A digest whose prefetch failed (download, verification, the engine) is not tried again by
 the look-ahead for this long: its jobs fetch it themselves, and fail as they must."""
@@ -65,7 +69,8 @@ def waiting_jobs(raws: Iterable[str], base_digest: str) -> list[tuple[str, str, 
 
 
 class Prefetcher(Periodic):
-    """Look-ahead prefetching for one worker (``LORAFLEET_PREDICTION=lookahead``)."""
+    """Look-ahead prefetching for one worker, and with ``popularity`` > 0 the pool's most
+    asked-for adapters too (``LORAFLEET_PREDICTION=popularity``)."""
 
     def __init__(
         self,
@@ -77,22 +82,29 @@ class Prefetcher(Periodic):
         lookahead_jobs: int,
         interval_s: float,
         downloads: int = 2,
+        popularity: int = 0,
+        popularity_check_s: float = 5.0,
     ) -> None:
         super().__init__("prefetch", interval_s)
         self._redis = redis
         self._adapters = adapters
         self._cache = cache
         self._base_digest = base_digest
+        self._pool_id = pool_id(base_digest)
         self._queues = queues
         self._lookahead_jobs = lookahead_jobs
+        self._popularity = popularity
+        self._popularity_check_s = popularity_check_s
+        self._popularity_at = 0.0
         self._pool = concurrent.futures.ThreadPoolExecutor(downloads, "prefetch")
         self._slots = threading.Semaphore(downloads)
         self._lock = threading.Lock()
         self._busy: set[str] = set()  # digests being prefetched now
-        self._not_before: dict[str, float] = {}  # digest -> when the look-ahead may try again
+        self._not_before: dict[str, float] = {}  # digest -> when a prefetch may try again
         # digest -> the levels a prefetch brought it to (``disk``, ``cpu``), until it leaves
-        # them; ``_unused``: those no job has found there yet.
+        # them, and the trigger of that prefetch; ``_unused``: those no job found there yet.
         self._levels: dict[str, set[str]] = {}
+        self._trigger: dict[str, str] = {}
         self._unused: set[str] = set()
         self._seen: set[str] = set()  # job ids waiting at the last pass
         cache.on_evict = self._evicted
@@ -102,6 +114,14 @@ class Prefetcher(Periodic):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def step(self) -> None:
+        self._lookahead()
+        if self._popularity and time.monotonic() >= self._popularity_at:
+            self._popularity_at = time.monotonic() + self._popularity_check_s
+            for alias, revision in self._popular():
+                if not self._submit(alias, revision, POPULARITY, None):
+                    break
+
+    def _lookahead(self) -> None:
         pipe = self._redis.pipeline(transaction=False)
         for queue in self._queues:
             pipe.lrange(queue, -self._lookahead_jobs, -1)
@@ -112,66 +132,114 @@ class Prefetcher(Periodic):
         for job_id, alias, revision in jobs:
             if job_id in seen:
                 wanted.setdefault(revision, alias)
-        if not wanted:
-            return
         protect = frozenset(revision for _, _, revision in jobs)
-        now = time.monotonic()
-        with self._lock:
-            self._not_before = {d: t for d, t in self._not_before.items() if t > now}
         for revision, alias in wanted.items():
-            with self._lock:
-                if revision in self._busy or revision in self._not_before:
-                    continue
-            with self._lock:
-                if "cpu" in self._levels.get(revision, ()):
-                    continue
-            if self._cache.has(revision) and (
-                not self._adapters.engine_has_room() or self._adapters.holds(revision)
-            ):
-                continue
-            if not self._slots.acquire(blocking=False):
-                return  # as many prefetches as allowed are under way: next pass
+            self._cache.expect(revision)  # a waiting job asks for it
+            if not self._submit(alias, revision, LOOKAHEAD, protect):
+                return
+
+    def _popular(self) -> list[tuple[str, str]]:
+        """``(alias, revision)`` of the pool's ``popularity`` most asked-for adapters, the
+        most first (one pipelined round trip: this epoch's set and the last one's)."""
+        now = time.time()
+        epoch = popularity.epoch_of(now)
+        pipe = self._redis.pipeline(transaction=False)
+        for which in (epoch, epoch - 1):
+            key = popularity.popularity_key(self._pool_id, which)
+            pipe.zrevrange(key, 0, -1, withscores=True)
+        current, previous = pipe.execute()
+        counts = popularity.decayed(current, previous, now, epoch)
+        return [(alias, d) for d, alias, _ in popularity.top(counts, self._popularity)]
+
+    def _submit(
+        self, alias: str, revision: str, trigger: str, protect: frozenset[str] | None
+    ) -> bool:
+        """Start a prefetch of ``revision`` unless there is nothing to do; False when as many
+        are under way as allowed (try the rest next pass). ``protect``: what the download
+        may not evict (``None``: anything on disk: popularity only takes free room)."""
+        with self._lock:
+            if revision in self._busy or self._not_before.get(revision, 0) > time.monotonic():
+                return True
+            if "cpu" in self._levels.get(revision, ()):
+                return True
+        if self._cache.has(revision) and (
+            not self._adapters.engine_has_room() or self._adapters.holds(revision)
+        ):
+            return True
+        if not self._slots.acquire(blocking=False):
+            return False
+        with self._lock:
+            self._busy.add(revision)
+        self._pool.submit(self._prefetch, alias, revision, trigger, protect)
+        return True
+
+    def warm_up(self, timeout_s: float) -> int:
+        """Before the worker takes jobs: fetch the pool's most asked-for adapters into free
+        disk room and free engine places, one after the other, for at most ``timeout_s``.
+        How many it made resident."""
+        if not self._popularity:
+            return 0
+        deadline = time.monotonic() + timeout_s
+        done = 0
+        try:
+            popular = self._popular()
+        except Exception as exc:  # Redis away: start cold rather than not at all
+            log.warning("no warm-up: the pool's popularity could not be read (%s)", exc)
+            return 0
+        for alias, revision in popular:
+            if time.monotonic() >= deadline:
+                break
             with self._lock:
                 self._busy.add(revision)
-            self._pool.submit(self._prefetch, alias, revision, protect)
+            self._slots.acquire()
+            done += self._prefetch(alias, revision, WARMUP, None)
+        return done
 
-    def _prefetch(self, alias: str, revision: str, protect: frozenset[str]) -> None:
+    def _prefetch(
+        self, alias: str, revision: str, trigger: str, protect: frozenset[str] | None
+    ) -> bool:
+        """Fetch (into room ``protect`` allows) and register ``revision``; True if it made
+        it resident anywhere. Releases the slot and the busy mark it was given."""
+        made = False
         try:
             with self._cache.hold(revision):
                 if not self._cache.has(revision):
-                    metrics.PREFETCHES.labels(LOOKAHEAD, "started").inc()
-                    if self._cache.prefetch(revision, protect) is not None:
-                        self._reached(revision, "disk")
+                    metrics.PREFETCHES.labels(trigger, "started").inc()
+                    room = protect if protect is not None else frozenset(self._cache.digests())
+                    if self._cache.prefetch(revision, room) is not None:
+                        self._reached(revision, "disk", trigger)
+                        made = True
                 if self._cache.has(revision) and self._adapters.prefetch_into_engine(
-                    alias, revision, lambda started: self._mark(revision, "cpu", started)
+                    alias, revision, lambda started: self._mark(revision, "cpu", trigger, started)
                 ):
-                    metrics.PREFETCHES.labels(LOOKAHEAD, "cpu").inc()
+                    metrics.PREFETCHES.labels(trigger, "cpu").inc()
+                    made = True
         except NoRoom:
             with self._lock:
                 self._not_before[revision] = time.monotonic() + RETRY_NO_ROOM_S
-        except JobFailure as failure:
-            metrics.PREFETCHES.labels(LOOKAHEAD, "failed").inc()
-            log.warning("prefetch of %s (%s) failed: %s", alias, revision, failure.message)
-            with self._lock:
-                self._not_before[revision] = time.monotonic() + RETRY_FAILED_S
-        except Exception:
-            metrics.PREFETCHES.labels(LOOKAHEAD, "failed").inc()
-            log.exception("prefetch of %s (%s) failed", alias, revision)
+        except Exception as exc:
+            metrics.PREFETCHES.labels(trigger, "failed").inc()
+            reason = exc.message if isinstance(exc, JobFailure) else repr(exc)
+            log.warning("%s prefetch of %s (%s) failed: %s", trigger, alias, revision, reason)
             with self._lock:
                 self._not_before[revision] = time.monotonic() + RETRY_FAILED_S
         finally:
             with self._lock:
                 self._busy.discard(revision)
+                now = time.monotonic()
+                self._not_before = {d: t for d, t in self._not_before.items() if t > now}
             self._slots.release()
+        return made
 
-    def _reached(self, revision: str, level: str) -> None:
-        metrics.PREFETCHES.labels(LOOKAHEAD, level).inc()
-        self._mark(revision, level, True)
+    def _reached(self, revision: str, level: str, trigger: str) -> None:
+        metrics.PREFETCHES.labels(trigger, level).inc()
+        self._mark(revision, level, trigger, True)
 
-    def _mark(self, revision: str, level: str, reached: bool) -> None:
+    def _mark(self, revision: str, level: str, trigger: str, reached: bool) -> None:
         with self._lock:
             if reached:
                 self._levels.setdefault(revision, set()).add(level)
+                self._trigger[revision] = trigger
                 self._unused.add(revision)
             else:
                 self._levels.get(revision, set()).discard(level)
@@ -180,9 +248,10 @@ class Prefetcher(Periodic):
         """The disk cache dropped ``digest`` (its lock held: no blocking here)."""
         with self._lock:
             self._levels.pop(digest, None)
+            trigger = self._trigger.pop(digest, LOOKAHEAD)
             if digest in self._unused:
                 self._unused.discard(digest)
-                metrics.PREFETCHES.labels(LOOKAHEAD, "wasted").inc()
+                metrics.PREFETCHES.labels(trigger, "wasted").inc()
 
     def found(self, digest: str, residency: Residency) -> bool:
         """A job found ``digest`` at ``residency``: whether a prefetch brought it there."""
@@ -192,6 +261,7 @@ class Prefetcher(Periodic):
                 return False
             if residency == "remote":
                 del self._levels[digest]
+                self._trigger.pop(digest, None)
                 self._unused.discard(digest)
                 return False
             if residency == "disk":
@@ -199,7 +269,7 @@ class Prefetcher(Periodic):
             prefetched = residency in levels
             if prefetched and digest in self._unused:
                 self._unused.discard(digest)
-                metrics.PREFETCHES.labels(LOOKAHEAD, "used").inc()
+                metrics.PREFETCHES.labels(self._trigger.get(digest, LOOKAHEAD), "used").inc()
             return prefetched
 
 
@@ -208,6 +278,9 @@ class NoPrefetch:
 
     def start(self) -> None:
         pass
+
+    def warm_up(self, timeout_s: float) -> int:
+        return 0
 
     def close(self) -> None:
         pass

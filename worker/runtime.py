@@ -139,7 +139,7 @@ class WorkerRuntime:
             max_cpu_loras=settings.max_cpu_loras,
         )
         self.prefetcher: Prefetcher | NoPrefetch = NoPrefetch()
-        if settings.prediction == "lookahead":
+        if settings.prediction != "off":
             self.prefetcher = Prefetcher(
                 self.redis,
                 self.adapters,
@@ -148,6 +148,10 @@ class WorkerRuntime:
                 [*self.pool_queues, self.queue],
                 settings.lookahead_jobs,
                 settings.prefetch_interval_s,
+                popularity=settings.popularity_prefetch
+                if settings.prediction == "popularity"
+                else 0,
+                popularity_check_s=settings.popularity_check_s,
             )
         self.deltas = DeltaPublisher(
             self.redis, self.worker_id, settings.lease_ttl_s, self.jobs.note_outage
@@ -255,6 +259,9 @@ class WorkerRuntime:
         model_card.publish(self.redis, card, tokenizer_json)
         record_pools(self.redis, self.base_model)
         self._preload(hot, warm)
+        warmed = self.prefetcher.warm_up(self.settings.warmup_timeout_s)
+        if warmed:
+            log.info("warmed up %d popular adapter(s) before taking jobs", warmed)
         self.watch.start()
 
     def announce(self, consumer: Any) -> None:

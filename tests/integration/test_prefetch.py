@@ -8,6 +8,8 @@ the Redis list that the look-ahead reads, untaken."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -18,14 +20,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 
 from contracts import metrics as names
+from contracts import popularity
 from contracts.digests import manifest_of
 from contracts.jobs import JobPublic, JobStatus
-from contracts.queues import Tier, queue_for
+from contracts.keys import WORKERS_INDEX, worker_key
+from contracts.queues import Tier, pool_id, queue_for
 from contracts.registry import AdapterRecord
 from contracts.storage import blob_key
 from lorafleet.fixtures import AdapterSpec, write_adapter
 from lorafleet.publish import Publisher
-from lorafleet.stack import LocalStack
+from lorafleet.stack import LocalStack, procfile_commands
 from lorafleet.validation import ADAPTER_FILES
 from tests.helpers import hot_alias, job_when, paused, worker_heartbeat
 from tests.oracle import PeftOracle
@@ -175,3 +179,76 @@ def test_a_tampered_prefetch_is_never_registered_and_fails_only_its_adapters_job
     _found_prefetched([outcomes[job_id] for job_id in good_jobs])
     assert all(outcomes[j].status == JobStatus.SUCCEEDED for j in hot_jobs)
     assert not _on_disk(stack, bad_record)
+
+
+def test_a_new_worker_warms_up_its_pools_most_asked_for_adapters_before_taking_jobs(
+    stack: LocalStack,
+    redis: Redis,
+    publisher: Publisher,
+    fixtures_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """The gateways' decayed counts name the pool's most asked-for adapters; a worker started
+    with ``LORAFLEET_PREDICTION=popularity`` fetches, verifies and registers them before it
+    announces itself (so before it takes a job): a scale-out does not start cold."""
+    specs = [_adapter(tmp_path / f"popular-{n}", fixtures_dir, 84_000 + n) for n in range(3)]
+    records = [publisher.publish(tmp_path / s.name, s.name, Tier.COLD) for s in specs]
+    pool = pool_id(records[0].base_model.digest)
+    now = time.time()
+    epoch = popularity.epoch_of(now)
+    add = redis.register_script(popularity.ADD)
+    weights = {0: 1e6, 1: 5e5, 2: 1.0}  # the third is asked for least: not among the top 2
+    args: list[Any] = [64, 600]
+    for n, record in enumerate(records):
+        args += [
+            popularity.member(record.digest, record.alias),
+            weights[n] * popularity.weight(now, epoch),
+        ]
+    add(keys=[popularity.popularity_key(pool, epoch)], args=args)
+    cache_dir = tmp_path / "cache"
+    env = {
+        **stack.service_env(),
+        "LORAFLEET_PREDICTION": "popularity",
+        "LORAFLEET_POPULARITY_PREFETCH": "2",
+        "LORAFLEET_CACHE_DIR": str(cache_dir),
+        "LORAFLEET_WORKER_NAME": "warming@%h",
+        # No pins, no warm preloading: the engine's CPU places are free for the warm-up.
+        "LORAFLEET_TIERS": "cold",
+    }
+    log = tmp_path / "worker.log"
+    with log.open("w") as out:
+        worker = subprocess.Popen(
+            ["sh", "-c", "exec " + procfile_commands()["worker"]],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        record = None
+        deadline = time.monotonic() + 300
+        while record is None and worker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            for worker_id in redis.smembers(WORKERS_INDEX):  # type: ignore[union-attr]
+                raw = redis.get(worker_key(str(worker_id)))
+                if raw and json.loads(str(raw)).get("node") == "warming":
+                    record = json.loads(str(raw))
+        assert record is not None, log.read_text()[-3000:]
+        # Its first announcement already holds them: warmed before it took any job.
+        assert record["adapters"].get(records[0].digest) == "engine", record["adapters"]
+        assert record["adapters"].get(records[1].digest) == "engine", record["adapters"]
+        assert records[2].digest not in record["adapters"]
+        text = httpx.get(f"http://127.0.0.1:{record['metrics_port']}/metrics", timeout=30).text
+        warmup = {
+            sample.labels["outcome"]: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name.startswith(names.ADAPTER_PREFETCHES)
+            and sample.labels.get("trigger") == "warmup"
+        }
+        assert warmup == {"started": 2.0, "disk": 2.0, "cpu": 2.0}, warmup
+        on_disk = {p.name for p in (cache_dir / "adapters").iterdir()}
+        assert on_disk == {r.digest.removeprefix("sha256:") for r in records[:2]}
+    finally:
+        worker.terminate()
+        worker.wait(timeout=120)
+        redis.delete(popularity.popularity_key(pool, epoch))
