@@ -181,7 +181,7 @@ class ResultMetadata(BaseModel):
     prefetched: bool = Field(
         default=False,
         description="the level `residency_before` names (`disk`, `cpu`) was reached by a "
-        "prefetch (the worker's queue look-ahead), not by a job",
+        "prefetch (queue look-ahead, popularity, warm-up), not by a job",
     )
     load_ms: LoadTimings
     queue_wait_ms: float

@@ -117,8 +117,15 @@ class SlotGate:
 
     @property
     def waiting(self) -> int:
-        """Jobs waiting for a slot now."""
+        """Jobs waiting for a slot now (on the engine loop)."""
         return sum(1 for _, entry in self._waiting if not entry.done())
+
+    @property
+    def queued(self) -> int:
+        """Waiters, some perhaps already cancelled: safe to read from any thread (the
+        length of a deque is read atomically; iterating it while the loop changes it is
+        not)."""
+        return len(self._waiting)
 
     @asynccontextmanager
     async def slot(self, lora_id: int) -> AsyncIterator[None]:
@@ -457,7 +464,7 @@ class EngineAdapters:
     def engine_has_room(self, timeout_s: float = 5.0) -> bool:
         """Registering one more adapter now would evict nothing from the engine's CPU cache
         and take no GPU slot a waiting job is owed (its own answer, as ``registered``)."""
-        if self._max_cpu_loras is None or self._gate.waiting:
+        if self._max_cpu_loras is None or self._gate.queued:
             return False
         try:
             held = self.registered(time.time() + timeout_s)

@@ -152,6 +152,7 @@ def _identity(record: dict[str, Any], info: dict[str, Any] | None) -> None:
     record["loaded_digest"] = metadata.get("loaded_digest")
     record["identity_verified"] = metadata.get("identity_verified")
     record["residency_before"] = metadata.get("residency_before")
+    record["prefetched"] = metadata.get("prefetched")
     record["load_ms"] = metadata.get("load_ms") or {}
     record["queue_wait_ms"] = metadata.get("queue_wait_ms")
     labelled = (info or {}).get("revision")

@@ -51,6 +51,9 @@ class RequestRecord(BaseModel):
     identity_verified: bool | None = None
     identity_mismatch: bool = False
     residency_before: Residency | None = None
+    prefetched: bool | None = Field(
+        default=None, description="the worker says a prefetch put the adapter where it was"
+    )
     load_ms: dict[str, float | None] = Field(default_factory=dict)
     queue_wait_ms: float | None = None
     completion_tokens: int | None = None
