@@ -86,6 +86,17 @@ publish, a retirement): workers read it every ``LORAFLEET_PIN_CHECK_S`` to pin o
 Permanent, like the registry."""
 
 POOLS = f"{PREFIX}:pools"
+
+
+def engine_proven_key(engine_version: str) -> str:
+    """Set of adapter revisions an engine of ``engine_version`` loaded and survived: only
+    those are registered in an engine ahead of their jobs (a prefetch must never be the
+    first to hand an engine an adapter that could kill it)."""
+    return f"{PREFIX}:engine-proven:{engine_version}"
+
+
+ENGINE_PROVEN_TTL_S = 30 * 24 * 3600
+"""Refreshed at every addition."""
 """Hash ``pool id -> BaseModelRef JSON`` of every base model an adapter was published for or
 a worker served (``contracts.queues.pool_id``): the pools whose queues the gateways report
 (``GET /metrics``, ``GET /v1/fleet``), even before a worker of the pool has started.

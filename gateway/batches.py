@@ -416,7 +416,11 @@ class Batches:
             self._submitter.metrics.admitted_job(job.tier, job.adapter)
         if self._submitter.popularity is not None:
             self._submitter.popularity.count(jobs)
-        return await self.get(tenant, batch_id), keys  # type: ignore[return-value]
+        # As admitted, from memory: no read after the admission that could fail it (a 503
+        # for a batch that is queued, its idempotency key left pending for a retry to
+        # admit it again once the key lapsed).
+        admitted = {"record": record.model_dump_json(), "total": str(len(jobs))}
+        return batch_public(admitted), keys
 
     async def _replay(self, tenant: TenantRecord, reservation: Reservation) -> BatchPublic:
         if reservation.conflict:

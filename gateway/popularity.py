@@ -65,10 +65,12 @@ class PopularityCounter(LoopTask):
                 await self.flush()
             except (RedisError, OSError) as exc:
                 log.warning("popularity counts not written (%s); dropped", exc)
+            except Exception:  # never let the task end: counts would stop for good
+                log.exception("popularity counts not written; dropped")
 
     async def stop(self) -> None:
         await super().stop()
         try:
             await asyncio.wait_for(self.flush(), 2.0)
-        except (RedisError, OSError, TimeoutError) as exc:
-            log.warning("popularity counts not written at shutdown (%s)", exc)
+        except Exception as exc:  # shutdown goes on whatever happens here
+            log.warning("popularity counts not written at shutdown (%r)", exc)

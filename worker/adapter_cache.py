@@ -68,6 +68,9 @@ class NoRoom(AdapterUnavailableError):
     that joined that download starts its own)."""
 
 
+NO_EVICTION: frozenset[str] = frozenset({"<no eviction>"})
+"""``protect`` for a prefetch that may use free room only."""
+
 DEFAULT_FETCH_MS_PER_MB = 20.0
 """The fetch cost assumed for an entry whose fetch this process did not time (found on disk
 at start), until one was timed: then the mean per-byte cost of those timed."""
@@ -293,16 +296,19 @@ class AdapterCache:
             except JobFailure as failure:
                 raise failure.copy() from failure
 
-    def prefetch(self, digest: str, protect: frozenset[str]) -> Fetched | None:
+    def prefetch(self, digest: str, protect: frozenset[str], evict: bool = True) -> Fetched | None:
         """Download and verify ``digest`` ahead of its jobs, exactly as ``ensure`` would, but
-        making room only by evicting unheld entries outside ``protect`` and never waiting
-        for room (``NoRoom``). ``None`` when it is on disk or being downloaded already.
+        making room only by evicting unheld entries outside ``protect`` (with ``evict``
+        false: only in free room) and never waiting for room (``NoRoom``). ``None`` when it
+        is on disk or being downloaded already.
         Raises what a job's download would (``AdapterIntegrityError`` for altered files:
         nothing of them is kept)."""
         with self._cond:
             if digest in self._entries or digest in self._downloads:
                 return None
-            download = self._fetcher.submit(self._download_once, digest, protect)
+            download = self._fetcher.submit(
+                self._download_once, digest, protect if evict else NO_EVICTION
+            )
             self._downloads[digest] = download
         return download.result()
 
@@ -312,24 +318,30 @@ class AdapterCache:
         with self._cond:
             value, at = self._rate.get(digest, (0.0, now))
             self._rate[digest] = (value * math.exp((at - now) / self._decay_s) + requests, now)
+            if len(self._rate) > 2 * len(self._entries) + 256:
+                # Rates of digests not here (taken by other workers, failed) fade: drop those
+                # that have decayed to nothing.
+                for other, (count, since) in list(self._rate.items()):
+                    faded = count * math.exp((since - now) / self._decay_s) < 0.01
+                    if faded and other not in self._entries and other not in self._downloads:
+                        del self._rate[other]
 
-    def _cost(self, digest: str, now: float) -> float:
-        """What evicting ``digest`` costs per byte it frees (lock held)."""
-        size = max(self._entries.get(digest, 1), 1)
-        value, at = self._rate.get(digest, (0.0, now))
-        rate = value * math.exp((at - now) / self._decay_s)
-        fetch_ms = self._fetch_ms.get(digest)
-        if fetch_ms is None:
-            timed = [
-                (self._fetch_ms[d], self._entries[d]) for d in self._fetch_ms if d in self._entries
-            ]
-            per_byte = (
-                sum(ms for ms, _ in timed) / max(sum(b for _, b in timed), 1)
-                if timed
-                else DEFAULT_FETCH_MS_PER_MB / 1e6
-            )
-            fetch_ms = per_byte * size
-        return rate * fetch_ms / size
+    def _costs(self) -> dict[str, float]:
+        """What evicting each entry costs per byte it frees (lock held)."""
+        now = time.monotonic()
+        timed = [(ms, self._entries[d]) for d, ms in self._fetch_ms.items() if d in self._entries]
+        per_byte = (
+            sum(ms for ms, _ in timed) / max(sum(size for _, size in timed), 1)
+            if timed
+            else DEFAULT_FETCH_MS_PER_MB / 1e6
+        )
+        costs = {}
+        for digest, size in self._entries.items():
+            value, at = self._rate.get(digest, (0.0, now))
+            rate = value * math.exp((at - now) / self._decay_s)
+            fetch_ms = self._fetch_ms.get(digest, per_byte * size)
+            costs[digest] = rate * fetch_ms / max(size, 1)
+        return costs
 
     def _forget(self, digest: str) -> None:
         """An entry left the disk: drop what was kept about it (lock held)."""
@@ -394,8 +406,8 @@ class AdapterCache:
             return True
         order = list(self._entries)  # least recently used first
         if self._policy == "cost":
-            now = time.monotonic()
-            order.sort(key=lambda digest: self._cost(digest, now))  # stable: LRU breaks ties
+            costs = self._costs()
+            order.sort(key=costs.__getitem__)  # stable: the least recently used breaks ties
         for digest in order:
             if used + needed <= self._max_bytes:
                 break
@@ -419,7 +431,11 @@ class AdapterCache:
             )
         if protect is not None:
             with self._cond:
-                if not self._evict_until(size, protect | {digest}):
+                if protect is NO_EVICTION:
+                    fits = sum(self._entries.values()) + self._reserved + size <= self._max_bytes
+                else:
+                    fits = self._evict_until(size, protect | {digest})
+                if not fits:
                     raise NoRoom(f"no room for prefetching {digest}")
                 self._reserved += size
             return
@@ -438,12 +454,15 @@ class AdapterCache:
     def _download(self, digest: str, protect: frozenset[str] | None) -> Fetched:
         start = time.perf_counter()
         manifest = self._fetch_manifest(digest)
+        manifest_ms = _ms(start)
         self._reserve(digest, manifest.size_bytes, protect)
         tmp = self._root / "tmp" / f"{digest.removeprefix(DIGEST_PREFIX)}.{uuid.uuid4().hex}"
         try:
             tmp.mkdir()
+            files_start = time.perf_counter()
             observed = tuple(self._fetch_file(entry, tmp) for entry in manifest.files)
-            fetch_ms = _ms(start)
+            # The store's time (manifest and files), not the wait for disk room between.
+            fetch_ms = round(manifest_ms + _ms(files_start), 3)
             verify_start = time.perf_counter()
             loaded = Manifest(files=observed).digest()
             if loaded != digest:

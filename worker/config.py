@@ -111,10 +111,14 @@ class WorkerSettings(ServiceSettings):
         "it takes jobs.",
     )
     lookahead_jobs: int = Field(
-        default=32, ge=1, le=1000, description="Waiting jobs looked at per queue per pass."
+        default=16,
+        ge=1,
+        le=1000,
+        description="Waiting jobs looked at per queue per pass (whole messages, prompts "
+        "included, are read: mind the bytes).",
     )
     prefetch_interval_s: float = Field(
-        default=0.25, gt=0, description="How often the look-ahead reads the queues' heads."
+        default=0.5, gt=0, description="How often the look-ahead reads the queues' heads."
     )
     disk_wait_s: float = Field(
         default=60.0,

@@ -53,9 +53,9 @@ LOAD = Histogram(
 EVICTIONS = Counter(names.ADAPTER_EVICTIONS, "Adapters evicted, by level.", ["level"])
 PREFETCHES = Counter(
     names.ADAPTER_PREFETCHES,
-    "Adapter prefetches by trigger (lookahead) and outcome: started; made resident on disk or "
-    "in the engine (disk, engine); used (a job found it there); wasted (evicted unused); "
-    "failed (the download or verification failed).",
+    "Adapter prefetches by trigger (lookahead, popularity, warmup) and outcome: started (a "
+    "download); made resident on disk or in the engine (disk, cpu); used (a job found it "
+    "there); wasted (evicted unused); failed (the download, verification or engine failed).",
     ["trigger", "outcome"],
 )
 RESIDENT = Gauge(names.ADAPTERS_RESIDENT, "Adapters resident on this worker.", ["level"])

@@ -32,6 +32,7 @@ from redis import Redis
 
 from contracts import popularity
 from contracts.jobs import Residency
+from contracts.keys import ENGINE_PROVEN_TTL_S, engine_proven_key
 from contracts.queues import pool_id
 from worker import metrics
 from worker.adapter_cache import AdapterCache, NoRoom
@@ -50,13 +51,13 @@ the look-ahead for this long: its jobs fetch it themselves, and fail as they mus
 RETRY_NO_ROOM_S = 5.0
 
 
-def waiting_jobs(raws: Iterable[str], base_digest: str) -> list[tuple[str, str, str]]:
-    """``(job id, alias, revision)`` of the job messages ``raws`` (kombu's Redis envelopes,
-    as ``LRANGE`` returns them: the next to be taken last) for ``base_digest``, the next
-    first. A message that does not parse is skipped (the worker refuses it when it takes
-    it)."""
+def waiting_jobs(lists: Iterable[list[str]], base_digest: str) -> list[tuple[str, str, str]]:
+    """``(job id, alias, revision)`` of the job messages in ``lists`` (each queue's kombu
+    Redis envelopes as ``LRANGE`` returns them: the next to be taken last) for
+    ``base_digest``, queue by queue, each queue's next first. A message that does not parse
+    is skipped (the worker refuses it when it takes it)."""
     jobs = []
-    for raw in reversed(list(raws)):
+    for raw in (raw for listed in lists for raw in reversed(list(listed))):
         try:
             envelope = json.loads(raw)
             job = json.loads(base64.b64decode(envelope["body"]))[0][0]
@@ -84,6 +85,7 @@ class Prefetcher(Periodic):
         downloads: int = 2,
         popularity: int = 0,
         popularity_check_s: float = 5.0,
+        engine_version: str = "",
     ) -> None:
         super().__init__("prefetch", interval_s)
         self._redis = redis
@@ -107,6 +109,11 @@ class Prefetcher(Periodic):
         self._trigger: dict[str, str] = {}
         self._unused: set[str] = set()
         self._seen: set[str] = set()  # job ids waiting at the last pass
+        self._proven_key = engine_proven_key(engine_version)
+        self._proven: set[str] = set()
+        self._to_announce: list[str] = []
+        adapters.on_proven = self.proven
+        self._counted: set[str] = set()  # ... whose request the disk cache's rate counts
         cache.on_evict = self._evicted
 
     def close(self) -> None:
@@ -122,19 +129,21 @@ class Prefetcher(Periodic):
                     break
 
     def _lookahead(self) -> None:
+        self._write_proven()
         pipe = self._redis.pipeline(transaction=False)
         for queue in self._queues:
             pipe.lrange(queue, -self._lookahead_jobs, -1)
-        raws = [raw for listed in pipe.execute() for raw in listed]
-        jobs = waiting_jobs(raws, self._base_digest)
+        jobs = waiting_jobs(pipe.execute(), self._base_digest)
         seen, self._seen = self._seen, {job_id for job_id, _, _ in jobs}
         wanted: dict[str, str] = {}  # revision -> alias, the next job's first
         for job_id, alias, revision in jobs:
             if job_id in seen:
                 wanted.setdefault(revision, alias)
+                if job_id not in self._counted:
+                    self._cache.expect(revision)  # a waiting job asks for it, once
+        self._counted = {job_id for job_id, _, _ in jobs if job_id in seen}
         protect = frozenset(revision for _, _, revision in jobs)
         for revision, alias in wanted.items():
-            self._cache.expect(revision)  # a waiting job asks for it
             if not self._submit(alias, revision, LOOKAHEAD, protect):
                 return
 
@@ -160,11 +169,7 @@ class Prefetcher(Periodic):
         with self._lock:
             if revision in self._busy or self._not_before.get(revision, 0) > time.monotonic():
                 return True
-            if "cpu" in self._levels.get(revision, ()):
-                return True
-        if self._cache.has(revision) and (
-            not self._adapters.engine_has_room() or self._adapters.holds(revision)
-        ):
+        if self._cache.has(revision) and not self._engine_step_due(revision):
             return True
         if not self._slots.acquire(blocking=False):
             return False
@@ -172,6 +177,46 @@ class Prefetcher(Periodic):
             self._busy.add(revision)
         self._pool.submit(self._prefetch, alias, revision, trigger, protect)
         return True
+
+    def _engine_step_due(self, revision: str) -> bool:
+        """``revision`` (on disk) may be registered in the engine now: an engine of this
+        version loaded it before, the engine has room, and does not hold it."""
+        return (
+            self._is_proven(revision)
+            and self._adapters.engine_has_room()
+            and not self._adapters.holds(revision)
+        )
+
+    def proven(self, digest: str) -> None:
+        """The engine loaded ``digest`` and survived (on the engine loop: no blocking)."""
+        with self._lock:
+            if digest not in self._proven:
+                self._proven.add(digest)
+                self._to_announce.append(digest)
+
+    def _write_proven(self) -> None:
+        with self._lock:
+            digests, self._to_announce = self._to_announce, []
+        if digests:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.sadd(self._proven_key, *digests)
+            pipe.expire(self._proven_key, ENGINE_PROVEN_TTL_S)
+            try:
+                pipe.execute()
+            except Exception:
+                with self._lock:
+                    self._to_announce += digests
+                raise
+
+    def _is_proven(self, digest: str) -> bool:
+        with self._lock:
+            if digest in self._proven:
+                return True
+        if self._redis.sismember(self._proven_key, digest):
+            with self._lock:
+                self._proven.add(digest)
+            return True
+        return False
 
     def warm_up(self, timeout_s: float) -> int:
         """Before the worker takes jobs: fetch the pool's most asked-for adapters into free
@@ -187,7 +232,7 @@ class Prefetcher(Periodic):
             log.warning("no warm-up: the pool's popularity could not be read (%s)", exc)
             return 0
         for alias, revision in popular:
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or self.stopping.is_set():
                 break
             with self._lock:
                 self._busy.add(revision)
@@ -203,17 +248,33 @@ class Prefetcher(Periodic):
         made = False
         try:
             with self._cache.hold(revision):
+                verified = None
                 if not self._cache.has(revision):
                     metrics.PREFETCHES.labels(trigger, "started").inc()
-                    room = protect if protect is not None else frozenset(self._cache.digests())
-                    if self._cache.prefetch(revision, room) is not None:
+                    fetched = (
+                        self._cache.prefetch(revision, protect)
+                        if protect is not None
+                        else self._cache.prefetch(revision, frozenset(), evict=False)
+                    )
+                    if fetched is not None:
                         self._reached(revision, "disk", trigger)
+                        verified = fetched.loaded_digest
                         made = True
-                if self._cache.has(revision) and self._adapters.prefetch_into_engine(
-                    alias, revision, lambda started: self._mark(revision, "cpu", trigger, started)
+                if (
+                    self._cache.has(revision)
+                    and not self.stopping.is_set()
+                    and self._engine_step_due(revision)
                 ):
-                    metrics.PREFETCHES.labels(trigger, "cpu").inc()
-                    made = True
+                    if verified is None:  # hashed here, before a GPU slot is taken
+                        verified = self._cache.verify(revision)[0]
+                    if self._adapters.prefetch_into_engine(
+                        alias,
+                        revision,
+                        verified,
+                        lambda started: self._mark(revision, "cpu", trigger, started),
+                    ):
+                        metrics.PREFETCHES.labels(trigger, "cpu").inc()
+                        made = True
         except NoRoom:
             with self._lock:
                 self._not_before[revision] = time.monotonic() + RETRY_NO_ROOM_S

@@ -111,9 +111,10 @@ class SlotGate:
         self._capacity = capacity
         self._admit()
 
-    def free_for(self, lora_id: int) -> bool:
-        """A slot for ``lora_id`` would be given at once, ahead of nobody."""
-        return not self.waiting and self._fits(lora_id)
+    def idle_slot(self, lora_id: int) -> bool:
+        """A slot no request uses is free now for ``lora_id`` (which no request uses either),
+        and nobody waits for one: taking it delays no job."""
+        return not self.waiting and lora_id not in self._active and self._fits(lora_id)
 
     @property
     def waiting(self) -> int:
@@ -222,6 +223,9 @@ class EngineAdapters:
         self.on_change: Callable[[], None] = lambda: None
         """Called (``_guard`` held: it must not block) when the engine's adapters may have
         changed."""
+        self.on_proven: Callable[[str], None] = lambda digest: None
+        """Called (on the engine loop: it must not block) with a digest the engine loaded and
+        survived: it may be registered ahead of its jobs on other workers too."""
 
     def _id_for(self, digest: str) -> int:
         with self._guard:
@@ -425,6 +429,7 @@ class EngineAdapters:
                     self.changing()  # an answer given while it loaded may predate the load
                 if running is not None:
                     running.in_engine = False  # loaded: the engine survived this adapter
+                self.on_proven(digest)
                 return
             except EngineDeadError as exc:
                 raise self._host.died(exc) from exc
@@ -487,15 +492,18 @@ class EngineAdapters:
         self,
         alias: str,
         digest: str,
+        verified_digest: str | None,
         loading: Callable[[bool], None] = lambda started: None,
-        timeout_s: float = 60.0,
+        timeout_s: float = 10.0,
     ) -> bool:
         """Register ``digest`` (on disk, held by the caller) in the engine ahead of its jobs,
         only while that costs nothing: a free place in the engine's CPU cache (nothing is
-        evicted) and a GPU slot free now with no job waiting for one (``add_lora`` activates
-        the adapter into a slot at once: it takes the slot through the gate, as a job would,
-        and gives it back once loaded). The files are hashed again before the engine reads
-        them, as for any adapter found on disk. True if this call registered it.
+        evicted; checked again once in the slot) and a GPU slot no request uses, with no job
+        waiting for one (``add_lora`` activates the adapter into a slot at once: it takes the
+        slot through the gate, as a job would, and gives it back once loaded).
+        ``verified_digest``: what the caller's hash of the files on disk gave, just now (the
+        hashing is done before taking the slot; the engine is handed only files that hash
+        to ``digest``). True if this call registered it.
 
         ``loading(True)`` is called on the engine loop once it is decided (the adapter not
         in the engine, nothing else can register it first), before the load, so that a job
@@ -503,17 +511,22 @@ class EngineAdapters:
         failed."""
         if self._max_cpu_loras is None:
             return False
+        if verified_digest != digest:
+            raise AdapterIntegrityError(f"Files for {digest} hash to {verified_digest}; refused.")
         max_cpu = self._max_cpu_loras
-        staged = Staged(self.request_for(alias, digest), digest, None)
+        staged = Staged(self.request_for(alias, digest), digest, verified_digest)
         lora_id = staged.request.lora_int_id
 
         async def register() -> bool:
             registered = await self.registered_on_loop()
             if lora_id in registered or len(registered) >= max_cpu:
                 return False
-            if not self._gate.free_for(lora_id):
+            if not self._gate.idle_slot(lora_id):
                 return False
             async with self._gate.slot(lora_id):
+                registered = await self.registered_on_loop()
+                if lora_id in registered or len(registered) >= max_cpu:
+                    return False
                 loading(True)
                 try:
                     await self.load(staged, LoadTimings(), time.time() + timeout_s)

@@ -152,6 +152,7 @@ class WorkerRuntime:
                 if settings.prediction == "popularity"
                 else 0,
                 popularity_check_s=settings.popularity_check_s,
+                engine_version=ENGINE_VERSION,
             )
         self.deltas = DeltaPublisher(
             self.redis, self.worker_id, settings.lease_ttl_s, self.jobs.note_outage

@@ -23,7 +23,7 @@ from contracts import metrics as names
 from contracts import popularity
 from contracts.digests import manifest_of
 from contracts.jobs import JobPublic, JobStatus
-from contracts.keys import WORKERS_INDEX, worker_key
+from contracts.keys import WORKERS_INDEX, engine_proven_key, worker_key
 from contracts.queues import Tier, pool_id, queue_for
 from contracts.registry import AdapterRecord
 from contracts.storage import blob_key
@@ -33,6 +33,7 @@ from lorafleet.stack import LocalStack, procfile_commands
 from lorafleet.validation import ADAPTER_FILES
 from tests.helpers import hot_alias, job_when, paused, worker_heartbeat
 from tests.oracle import PeftOracle
+from worker.engine import ENGINE_VERSION
 
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 PROMPT = "Classify the sentiment of this review"
@@ -183,21 +184,35 @@ def test_a_tampered_prefetch_is_never_registered_and_fails_only_its_adapters_job
 
 def test_a_new_worker_warms_up_its_pools_most_asked_for_adapters_before_taking_jobs(
     stack: LocalStack,
+    api: httpx.Client,
     redis: Redis,
     publisher: Publisher,
     fixtures_dir: Path,
     tmp_path: Path,
 ) -> None:
     """The gateways' decayed counts name the pool's most asked-for adapters; a worker started
-    with ``LORAFLEET_PREDICTION=popularity`` fetches, verifies and registers them before it
-    announces itself (so before it takes a job): a scale-out does not start cold."""
-    specs = [_adapter(tmp_path / f"popular-{n}", fixtures_dir, 84_000 + n) for n in range(3)]
+    with ``LORAFLEET_PREDICTION=popularity`` fetches and verifies them before it announces
+    itself (so before it takes a job): a scale-out does not start cold. It registers in its
+    engine those an engine has loaded before (here the session's worker ran a job of each of
+    the first two); the third, never loaded anywhere, only to disk; the fourth, asked for
+    least, not at all."""
+    specs = [_adapter(tmp_path / f"popular-{n}", fixtures_dir, 84_000 + n) for n in range(4)]
     records = [publisher.publish(tmp_path / s.name, s.name, Tier.COLD) for s in specs]
+    for spec in specs[:2]:
+        job = job_when(redis, _submit(api, spec.name), lambda j: j.status.terminal, 120)
+        assert job.status == JobStatus.SUCCEEDED, job.error
+    proven = engine_proven_key(ENGINE_VERSION)
+    _until(
+        lambda: all(redis.sismember(proven, r.digest) for r in records[:2]),
+        30,
+        "the session worker to record the adapters its engine loaded",
+    )
+    assert not redis.sismember(proven, records[2].digest)
     pool = pool_id(records[0].base_model.digest)
     now = time.time()
     epoch = popularity.epoch_of(now)
     add = redis.register_script(popularity.ADD)
-    weights = {0: 1e6, 1: 5e5, 2: 1.0}  # the third is asked for least: not among the top 2
+    weights = {0: 1e6, 1: 5e5, 2: 2e5, 3: 1.0}  # the fourth: not among the top 3
     args: list[Any] = [64, 600]
     for n, record in enumerate(records):
         args += [
@@ -209,7 +224,7 @@ def test_a_new_worker_warms_up_its_pools_most_asked_for_adapters_before_taking_j
     env = {
         **stack.service_env(),
         "LORAFLEET_PREDICTION": "popularity",
-        "LORAFLEET_POPULARITY_PREFETCH": "2",
+        "LORAFLEET_POPULARITY_PREFETCH": "3",
         "LORAFLEET_CACHE_DIR": str(cache_dir),
         "LORAFLEET_WORKER_NAME": "warming@%h",
         # No pins, no warm preloading: the engine's CPU places are free for the warm-up.
@@ -236,7 +251,8 @@ def test_a_new_worker_warms_up_its_pools_most_asked_for_adapters_before_taking_j
         # Its first announcement already holds them: warmed before it took any job.
         assert record["adapters"].get(records[0].digest) == "engine", record["adapters"]
         assert record["adapters"].get(records[1].digest) == "engine", record["adapters"]
-        assert records[2].digest not in record["adapters"]
+        assert record["adapters"].get(records[2].digest) == "disk", record["adapters"]
+        assert records[3].digest not in record["adapters"]
         text = httpx.get(f"http://127.0.0.1:{record['metrics_port']}/metrics", timeout=30).text
         warmup = {
             sample.labels["outcome"]: sample.value
@@ -245,9 +261,9 @@ def test_a_new_worker_warms_up_its_pools_most_asked_for_adapters_before_taking_j
             if sample.name.startswith(names.ADAPTER_PREFETCHES)
             and sample.labels.get("trigger") == "warmup"
         }
-        assert warmup == {"started": 2.0, "disk": 2.0, "cpu": 2.0}, warmup
+        assert warmup == {"started": 3.0, "disk": 3.0, "cpu": 2.0}, warmup
         on_disk = {p.name for p in (cache_dir / "adapters").iterdir()}
-        assert on_disk == {r.digest.removeprefix("sha256:") for r in records[:2]}
+        assert on_disk == {r.digest.removeprefix("sha256:") for r in records[:3]}
     finally:
         worker.terminate()
         worker.wait(timeout=120)
