@@ -13,7 +13,7 @@ from contracts.registry import AdapterRecord, BaseModelRef
 from lorafleet.client import JobsClient
 from lorafleet.fixtures import AdapterSpec, write_adapter
 from lorafleet.publish import Publisher
-from tests.helpers import async_client
+from tests.helpers import async_client, run_jobs
 
 SAMPLING = {"max_tokens": 4, "temperature": 0.0}
 
@@ -64,6 +64,12 @@ def test_residency_moves_remote_then_engine_then_disk(
 
     # More distinct adapters than the engine's CPU cache holds (max_cpu_loras=4, two places
     # taken by pinned hot adapters) push the probe out of the engine; its files stay on disk.
+    # The disk cache evicts what costs least to bring back (requests x fetch time per byte):
+    # asked for more often than any of them, the probe is not what their downloads evict.
+    assert all(
+        job.status == JobStatus.SUCCEEDED
+        for job in run_jobs(api, [(probe.name, "Summarise the conversation")] * 16, SAMPLING)
+    )
     for spec in specs[2:7]:
         _run(api, spec.name)
     third = _run(api, probe.name)

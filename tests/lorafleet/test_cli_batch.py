@@ -148,6 +148,9 @@ def test_ctrl_c_leaves_the_batch_running_and_watch_re_attaches(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A shell's background job inherits SIGINT ignored, and Python then installs no
+        # KeyboardInterrupt handler: the CLI gets the disposition a terminal would give it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert running.stdout is not None
     admitted = running.stdout.readline()  # "batch <id>: 24 jobs admitted"
