@@ -86,6 +86,10 @@ publish, a retirement): workers read it every ``LORAFLEET_PIN_CHECK_S`` to pin o
 Permanent, like the registry."""
 
 POOLS = f"{PREFIX}:pools"
+"""Hash ``pool id -> BaseModelRef JSON`` of every base model an adapter was published for or
+a worker served (``contracts.queues.pool_id``): the pools whose queues the gateways report
+(``GET /metrics``, ``GET /v1/fleet``), even before a worker of the pool has started.
+Permanent, like the registry."""
 
 
 def engine_proven_key(engine_version: str) -> str:
@@ -97,10 +101,6 @@ def engine_proven_key(engine_version: str) -> str:
 
 ENGINE_PROVEN_TTL_S = 30 * 24 * 3600
 """Refreshed at every addition."""
-"""Hash ``pool id -> BaseModelRef JSON`` of every base model an adapter was published for or
-a worker served (``contracts.queues.pool_id``): the pools whose queues the gateways report
-(``GET /metrics``, ``GET /v1/fleet``), even before a worker of the pool has started.
-Permanent, like the registry."""
 
 WORKERS_INDEX = f"{PREFIX}:workers"
 """Set of the ids (``host:pid:boot``) of workers that have announced themselves."""

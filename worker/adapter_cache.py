@@ -164,6 +164,7 @@ class AdapterCache:
         self._decay_s = rate_half_life_s / math.log(2)
         self._rate: dict[str, tuple[float, float]] = {}  # digest -> (requests, as of when)
         self._fetch_ms: dict[str, float] = {}  # digest -> its last timed fetch
+        self._prune_at = 0.0
         self.on_change: Callable[[], None] = lambda: None
         """Called (lock held: it must not block) when an adapter arrives or leaves the disk."""
         self.on_evict: Callable[[str], None] = lambda digest: None
@@ -318,7 +319,8 @@ class AdapterCache:
         with self._cond:
             value, at = self._rate.get(digest, (0.0, now))
             self._rate[digest] = (value * math.exp((at - now) / self._decay_s) + requests, now)
-            if len(self._rate) > 2 * len(self._entries) + 256:
+            if len(self._rate) > 2 * len(self._entries) + 256 and now >= self._prune_at:
+                self._prune_at = now + 60.0  # a scan a minute at most
                 # Rates of digests not here (taken by other workers, failed) fade: drop those
                 # that have decayed to nothing.
                 for other, (count, since) in list(self._rate.items()):
@@ -461,8 +463,10 @@ class AdapterCache:
             tmp.mkdir()
             files_start = time.perf_counter()
             observed = tuple(self._fetch_file(entry, tmp) for entry in manifest.files)
-            # The store's time (manifest and files), not the wait for disk room between.
-            fetch_ms = round(manifest_ms + _ms(files_start), 3)
+            # The eviction weighs the store's time (manifest and files), not the wait for
+            # disk room between; the job's metadata gets the whole time it waited.
+            store_ms = round(manifest_ms + _ms(files_start), 3)
+            fetch_ms = _ms(start)
             verify_start = time.perf_counter()
             loaded = Manifest(files=observed).digest()
             if loaded != digest:
@@ -473,7 +477,7 @@ class AdapterCache:
             self._place(tmp, final)
             with self._cond:
                 self._entries[digest] = manifest.size_bytes
-                self._fetch_ms[digest] = fetch_ms
+                self._fetch_ms[digest] = store_ms
                 self._changed()
             return Fetched(final, loaded, fetch_ms, _ms(verify_start))
         except OSError as exc:

@@ -129,7 +129,10 @@ class Prefetcher(Periodic):
                     break
 
     def _lookahead(self) -> None:
-        self._write_proven()
+        try:
+            self._write_proven()
+        except Exception as exc:  # kept for the next pass; the look-ahead goes on
+            log.warning("adapters this engine loaded not recorded yet: %r", exc)
         pipe = self._redis.pipeline(transaction=False)
         for queue in self._queues:
             pipe.lrange(queue, -self._lookahead_jobs, -1)
@@ -182,9 +185,9 @@ class Prefetcher(Periodic):
         """``revision`` (on disk) may be registered in the engine now: an engine of this
         version loaded it before, the engine has room, and does not hold it."""
         return (
-            self._is_proven(revision)
-            and self._adapters.engine_has_room()
+            self._adapters.engine_has_room()
             and not self._adapters.holds(revision)
+            and self._is_proven(revision)
         )
 
     def proven(self, digest: str) -> None:
@@ -275,6 +278,9 @@ class Prefetcher(Periodic):
                     ):
                         metrics.PREFETCHES.labels(trigger, "cpu").inc()
                         made = True
+                    else:  # no room after all: not hashed again before a while
+                        with self._lock:
+                            self._not_before[revision] = time.monotonic() + RETRY_NO_ROOM_S
         except NoRoom:
             with self._lock:
                 self._not_before[revision] = time.monotonic() + RETRY_NO_ROOM_S

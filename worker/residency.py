@@ -122,6 +122,11 @@ class SlotGate:
         return sum(1 for _, entry in self._waiting if not entry.done())
 
     @property
+    def has_idle_slot(self) -> bool:
+        """A slot no request uses, read from any thread (a snapshot)."""
+        return len(self._active) < self._capacity
+
+    @property
     def queued(self) -> int:
         """Waiters, some perhaps already cancelled: safe to read from any thread (the
         length of a deque is read atomically; iterating it while the loop changes it is
@@ -469,7 +474,7 @@ class EngineAdapters:
     def engine_has_room(self, timeout_s: float = 5.0) -> bool:
         """Registering one more adapter now would evict nothing from the engine's CPU cache
         and take no GPU slot a waiting job is owed (its own answer, as ``registered``)."""
-        if self._max_cpu_loras is None or self._gate.queued:
+        if self._max_cpu_loras is None or self._gate.queued or not self._gate.has_idle_slot:
             return False
         try:
             held = self.registered(time.time() + timeout_s)

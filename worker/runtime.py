@@ -145,7 +145,7 @@ class WorkerRuntime:
                 self.adapters,
                 self.cache,
                 self.base_model.digest,
-                [*self.pool_queues, self.queue],
+                [self.queue, *self.pool_queues],  # jobs routed here first
                 settings.lookahead_jobs,
                 settings.prefetch_interval_s,
                 popularity=settings.popularity_prefetch
