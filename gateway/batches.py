@@ -8,7 +8,6 @@ line refuses the whole batch, with every bad line's number and reason; nothing i
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -319,13 +318,7 @@ class Batches:
                 idempotency,
             )
         if reserved is not None and idempotency is not None:
-            # Enqueued: answer 202 even if the key can't be marked (it then expires as
-            # pending instead of being remembered for the full TTL).
-            try:
-                async with asyncio.timeout(settings.redis_timeout_s):
-                    await reserved.done(idempotency.fingerprint, batch.id)
-            except (RedisError, OSError, TimeoutError) as exc:
-                log.warning("idempotency key of batch %s not marked done: %s", batch.id, exc)
+            await self._submitter.key_done(reserved, idempotency, batch.id)
         return batch, reserved is None and idempotency is not None
 
     async def _create(
@@ -382,10 +375,7 @@ class Batches:
         batch_id = "batch_" + uuid.uuid4().hex
         keys = None
         if idempotency is not None:
-            keys = IdempotencyKeys(
-                self._redis, tenant.name, idempotency.key, self._settings.idempotency_ttl_s
-            )
-            reservation = await keys.reserve(idempotency.fingerprint, batch_id)
+            keys, reservation = await self._submitter.reserve_key(tenant, idempotency, batch_id)
             if not reservation.owned:
                 return await self._replay(tenant, reservation), None
         now = time.time()

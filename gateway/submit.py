@@ -147,14 +147,30 @@ class Submitter:
             if self.popularity is not None:
                 self.popularity.count([admitted.job])
         if reserved is not None and idempotency is not None:
-            # The job is enqueued: answer 202 even if the key can't be marked (it then
-            # expires as pending instead of being remembered for the full TTL).
-            try:
-                async with asyncio.timeout(self._settings.redis_timeout_s):
-                    await reserved.done(idempotency.fingerprint, admitted.job.id)
-            except (RedisError, OSError, TimeoutError) as exc:
-                log.warning("idempotency key of job %s not marked done: %s", admitted.job.id, exc)
+            await self.key_done(reserved, idempotency, admitted.job.id)
         return admitted
+
+    async def reserve_key(
+        self, tenant: TenantRecord, idempotency: Idempotency, admits: str
+    ) -> tuple[IdempotencyKeys, Reservation]:
+        """Reserve ``idempotency``'s key for the job or batch ``admits`` (see
+        ``IdempotencyKeys.reserve``)."""
+        keys = IdempotencyKeys(
+            self._redis, tenant.name, idempotency.key, self._settings.idempotency_ttl_s
+        )
+        return keys, await keys.reserve(idempotency.fingerprint, admits)
+
+    async def key_done(
+        self, reserved: IdempotencyKeys, idempotency: Idempotency, admitted: str
+    ) -> None:
+        """Mark the key done for ``admitted`` (a job or batch id), which is enqueued: the
+        answer is 202 even if the key can't be marked (it then expires as pending instead of
+        being remembered for the full TTL)."""
+        try:
+            async with asyncio.timeout(self._settings.redis_timeout_s):
+                await reserved.done(idempotency.fingerprint, admitted)
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("idempotency key of %s not marked done: %s", admitted, exc)
 
     @contextlib.asynccontextmanager
     async def bounded(self, timeout_s: float) -> AsyncIterator[None]:
@@ -191,10 +207,7 @@ class Submitter:
 
         keys = None
         if idempotency is not None:
-            keys = IdempotencyKeys(
-                self._redis, tenant.name, idempotency.key, self._settings.idempotency_ttl_s
-            )
-            reservation = await keys.reserve(idempotency.fingerprint, job_id)
+            keys, reservation = await self.reserve_key(tenant, idempotency, job_id)
             if not reservation.owned:
                 return await self._replay(tenant, reservation), None
         job, message = self.job(tenant, prepared, job_id)
