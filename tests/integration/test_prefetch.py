@@ -45,17 +45,20 @@ def _adapter(directory: Path, fixtures_dir: Path, seed: int) -> AdapterSpec:
     return spec
 
 
-def _prefetches(redis: Redis) -> dict[str, float]:
-    """The session worker's ``lorafleet_adapter_prefetches_total`` by outcome."""
-    url = f"http://127.0.0.1:{worker_heartbeat(redis)['metrics_port']}/metrics"
-    text = httpx.get(url, timeout=30).text
+def _prefetch_counts(metrics_port: int, trigger: str) -> dict[str, float]:
+    """A worker's ``lorafleet_adapter_prefetches_total`` of ``trigger``, by outcome."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).text
     return {
         sample.labels["outcome"]: sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name == names.ADAPTER_PREFETCHES + "_total"
-        or sample.name == names.ADAPTER_PREFETCHES
+        if sample.name == names.ADAPTER_PREFETCHES and sample.labels.get("trigger") == trigger
     }
+
+
+def _prefetches(redis: Redis) -> dict[str, float]:
+    """The session worker's look-ahead prefetches by outcome."""
+    return _prefetch_counts(worker_heartbeat(redis)["metrics_port"], "lookahead")
 
 
 def _on_disk(stack: LocalStack, record: AdapterRecord) -> bool:
@@ -253,14 +256,7 @@ def test_a_new_worker_warms_up_its_pools_most_asked_for_adapters_before_taking_j
         assert record["adapters"].get(records[1].digest) == "engine", record["adapters"]
         assert record["adapters"].get(records[2].digest) == "disk", record["adapters"]
         assert records[3].digest not in record["adapters"]
-        text = httpx.get(f"http://127.0.0.1:{record['metrics_port']}/metrics", timeout=30).text
-        warmup = {
-            sample.labels["outcome"]: sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name.startswith(names.ADAPTER_PREFETCHES)
-            and sample.labels.get("trigger") == "warmup"
-        }
+        warmup = _prefetch_counts(record["metrics_port"], "warmup")
         assert warmup == {"started": 3.0, "disk": 3.0, "cpu": 2.0}, warmup
         on_disk = {p.name for p in (cache_dir / "adapters").iterdir()}
         assert on_disk == {r.digest.removeprefix("sha256:") for r in records[:3]}
