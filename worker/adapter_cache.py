@@ -249,6 +249,7 @@ class AdapterCache:
         digest: str,
         deadline_at: float | None = None,
         check: Callable[[], None] | None = None,
+        count: bool = True,
     ) -> Fetched:
         """Make ``digest`` present on disk, downloading and verifying it if needed.
 
@@ -259,8 +260,11 @@ class AdapterCache:
         fail ``deadline_exceeded``; the download goes on (S3 retries, disk space) for the jobs
         still waiting and those to come. ``check`` (if given) is called while the job waits
         and raises to stop the wait (the job was stopped: engine failure, drain, cancel).
+        ``count``: this request counts in ``digest``'s request rate (false when the
+        look-ahead counted it while it waited).
         """
-        self.expect(digest)
+        if count:
+            self.expect(digest)
         if self._touch(digest):
             return Fetched(self.path_for(digest), None, None, None)
         while True:

@@ -49,6 +49,9 @@ RETRY_FAILED_S = 30.0
 """A digest whose prefetch failed (download, verification, the engine) is not tried again by
 the look-ahead for this long: its jobs fetch it themselves, and fail as they must."""
 RETRY_NO_ROOM_S = 5.0
+COUNTED_KEEP_S = 120.0
+"""How long a waiting job the look-ahead counted in its adapter's request rate is remembered
+(for its own fetch not to count it again; jobs another worker took are forgotten then)."""
 
 
 def waiting_jobs(lists: Iterable[list[str]], base_digest: str) -> list[tuple[str, str, str]]:
@@ -113,7 +116,8 @@ class Prefetcher(Periodic):
         self._proven: set[str] = set()
         self._to_announce: list[str] = []
         adapters.on_proven = self.proven
-        self._counted: set[str] = set()  # ... whose request the disk cache's rate counts
+        # Job id -> when: waiting jobs whose request the disk cache's rate counts already.
+        self._counted: dict[str, float] = {}
         cache.on_evict = self._evicted
 
     def close(self) -> None:
@@ -139,12 +143,20 @@ class Prefetcher(Periodic):
         jobs = waiting_jobs(pipe.execute(), self._base_digest)
         seen, self._seen = self._seen, {job_id for job_id, _, _ in jobs}
         wanted: dict[str, str] = {}  # revision -> alias, the next job's first
-        for job_id, alias, revision in jobs:
-            if job_id in seen:
-                wanted.setdefault(revision, alias)
-                if job_id not in self._counted:
-                    self._cache.expect(revision)  # a waiting job asks for it, once
-        self._counted = {job_id for job_id, _, _ in jobs if job_id in seen}
+        asking: list[str] = []  # a waiting job asks for it, counted once
+        now = time.monotonic()
+        with self._lock:
+            self._counted = {
+                job_id: at for job_id, at in self._counted.items() if at > now - COUNTED_KEEP_S
+            }
+            for job_id, alias, revision in jobs:
+                if job_id in seen:
+                    wanted.setdefault(revision, alias)
+                    if job_id not in self._counted:
+                        self._counted[job_id] = now
+                        asking.append(revision)
+        for revision in asking:  # not under our lock: the cache calls us under its own
+            self._cache.expect(revision)
         protect = frozenset(revision for _, _, revision in jobs)
         for revision, alias in wanted.items():
             if not self._submit(alias, revision, LOOKAHEAD, protect):
@@ -308,8 +320,13 @@ class Prefetcher(Periodic):
                 self._levels.setdefault(revision, set()).add(level)
                 self._trigger[revision] = trigger
                 self._unused.add(revision)
-            else:
-                self._levels.get(revision, set()).discard(level)
+            elif revision in self._levels:
+                levels = self._levels[revision]
+                levels.discard(level)
+                if not levels:  # it reached no level after all: nothing to use or waste
+                    del self._levels[revision]
+                    self._trigger.pop(revision, None)
+                    self._unused.discard(revision)
 
     def _evicted(self, digest: str) -> None:
         """The disk cache dropped ``digest`` (its lock held: no blocking here)."""
@@ -319,6 +336,12 @@ class Prefetcher(Periodic):
             if digest in self._unused:
                 self._unused.discard(digest)
                 metrics.PREFETCHES.labels(trigger, "wasted").inc()
+
+    def counted_ahead(self, job_id: str) -> bool:
+        """The look-ahead counted ``job_id`` in its adapter's request rate while it waited
+        (its own fetch then does not count it again)."""
+        with self._lock:
+            return self._counted.pop(job_id, None) is not None
 
     def found(self, digest: str, residency: Residency) -> bool:
         """A job found ``digest`` at ``residency``: whether a prefetch brought it there."""
@@ -348,6 +371,9 @@ class NoPrefetch:
 
     def warm_up(self, timeout_s: float) -> int:
         return 0
+
+    def counted_ahead(self, job_id: str) -> bool:
+        return False
 
     def close(self) -> None:
         pass

@@ -15,6 +15,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 from vllm.lora.request import LoRARequest
 from vllm.v1.engine.exceptions import EngineDeadError
@@ -30,6 +31,8 @@ from worker.errors import AdapterIntegrityError, JobFailure
 from worker.inflight import Running
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 MAX_REFUSED = 1024
 """Refused adapters remembered per process (a digest each; the oldest is forgotten first)."""
@@ -344,6 +347,7 @@ class EngineAdapters:
         timings: LoadTimings,
         deadline_at: float | None = None,
         running: Running | None = None,
+        count: bool = True,
     ) -> Staged:
         """Ensure ``digest`` is on local disk (fetched and verified as it streams if it was
         not), ready for ``load``; the caller holds it in the disk cache until then.
@@ -354,7 +358,7 @@ class EngineAdapters:
         ``deadline_at`` (unix time), or when ``running`` (the job's attempt) is stopped.
         """
         check = running.check if running is not None else None
-        fetched = self._cache.ensure(digest, deadline_at, check)
+        fetched = self._cache.ensure(digest, deadline_at, check, count)
         timings.fetch, timings.verify = fetched.fetch_ms, fetched.verify_ms
         return Staged(self.request_for(alias, digest), digest, fetched.loaded_digest)
 
@@ -429,7 +433,7 @@ class EngineAdapters:
             self.changing()
             try:
                 try:
-                    await self._host.engine.add_lora(request)
+                    await self._engine_reads(digest, self._host.engine.add_lora(request))
                 finally:
                     self.changing()  # an answer given while it loaded may predate the load
                 if running is not None:
@@ -452,6 +456,24 @@ class EngineAdapters:
             f"The engine could not load adapter {request.lora_name}: {refused}. The job did "
             "not run; the engine keeps serving other adapters.",
         )
+
+    async def _engine_reads(self, digest: str, reading: Awaitable[T]) -> T:
+        """Await ``reading`` (the engine reading ``digest``'s files), keeping the files on
+        disk until the engine has answered, even if the caller is cancelled meanwhile (a job
+        past its deadline, a prefetch that timed out): cancelling the wait does not stop the
+        engine core, which must not find them evicted halfway."""
+        hold = self._cache.hold(digest)
+        hold.__enter__()
+        task = asyncio.ensure_future(reading)
+
+        def release(done: asyncio.Future[T]) -> None:
+            if not done.cancelled():
+                done.exception()  # the caller may be gone: read here, not logged as lost
+            # Letting go may delete quarantined files: not on the engine loop.
+            asyncio.get_running_loop().run_in_executor(None, hold.__exit__, None, None, None)
+
+        task.add_done_callback(release)
+        return await asyncio.shield(task)
 
     def _verify_or_fetch_again(
         self, digest: str, timings: LoadTimings, deadline_at: float | None
@@ -533,11 +555,15 @@ class EngineAdapters:
                 if lora_id in registered or len(registered) >= max_cpu:
                     return False
                 loading(True)
+                timings = LoadTimings()
                 try:
-                    await self.load(staged, LoadTimings(), time.time() + timeout_s)
+                    await self.load(staged, timings, time.time() + timeout_s)
                 except BaseException:
                     loading(False)
                     raise
+                if timings.engine_load is None:  # a job's load got there first: not ours
+                    loading(False)
+                    return False
             return True
 
         return self._host.run(register(), timeout_s)

@@ -107,9 +107,12 @@ class JobRunner:
         hostname: str,
         deltas: DeltaPublisher,
         prefetched: Callable[[str, Residency], bool] = lambda digest, residency: False,
+        counted_ahead: Callable[[str], bool] = lambda job_id: False,
     ) -> None:
         self._prefetched = prefetched
         """Whether a prefetch brought a digest to the level a job found it at."""
+        self._counted_ahead = counted_ahead
+        """Whether the look-ahead counted a job in its adapter's request rate already."""
         self._host = host
         self._deltas = deltas
         self._cache = cache
@@ -152,7 +155,12 @@ class JobRunner:
                 residency = self._adapters.observe(message.revision, registered)
                 prefetched = self._prefetched(message.revision, residency)
                 staged = self._adapters.stage(
-                    message.adapter, message.revision, timings, message.deadline_at, running
+                    message.adapter,
+                    message.revision,
+                    timings,
+                    message.deadline_at,
+                    running,
+                    count=not self._counted_ahead(message.job_id),
                 )
                 running.check()
                 _check_deadline(message, "waited for its adapter")

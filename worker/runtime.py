@@ -165,6 +165,7 @@ class WorkerRuntime:
             self.hostname,
             self.deltas,
             self.prefetcher.found,
+            self.prefetcher.counted_ahead,
         )
         self.inflight = InFlight()
         self.held = HeldDeliveries(self.redis, self.worker_id)

@@ -9,11 +9,16 @@ worker after worker until its deadline; a job that merely finds the engine dead 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 from vllm.lora.request import LoRARequest
 from vllm.v1.engine.exceptions import EngineDeadError
 
+from contracts.jobs import LoadTimings
 from worker.engine import EngineFailed
 from worker.inflight import Running
 from worker.residency import EngineAdapters
@@ -49,8 +54,23 @@ class Host:
         return EngineFailed(f"the engine core died ({error})")
 
 
+class Cache:
+    """``AdapterCache.hold``, counted."""
+
+    def __init__(self) -> None:
+        self.holds: Counter[str] = Counter()
+
+    @contextmanager
+    def hold(self, digest: str) -> Iterator[None]:
+        self.holds[digest] += 1
+        try:
+            yield
+        finally:
+            self.holds[digest] -= 1
+
+
 def _load(host: Host, running: Running | None) -> None:
-    adapters = EngineAdapters(host, cache=None, max_loras=2)  # type: ignore[arg-type]
+    adapters = EngineAdapters(host, cache=Cache(), max_loras=2)  # type: ignore[arg-type]
     request = LoRARequest(lora_name="a@1234", lora_int_id=1, lora_path="/nowhere")
     asyncio.run(adapters._load(request, "sha256:1234", running))
 
@@ -81,3 +101,90 @@ def test_a_job_that_finds_the_engine_dead_is_not_charged_with_its_death() -> Non
 def test_preloading_at_start_has_no_job_to_charge() -> None:
     with pytest.raises(EngineFailed):
         _load(Host(dies_loading=True), None)
+
+
+def test_the_files_stay_held_until_the_engine_has_read_them_though_the_caller_gave_up() -> None:
+    """A job past its deadline (or a prefetch that timed out) stops waiting for ``add_lora``,
+    but the engine core goes on reading the adapter's files: the disk cache must not evict
+    them until the engine has answered."""
+    host = Host()
+    cache = Cache()
+    adapters = EngineAdapters(host, cache=cache, max_loras=2)  # type: ignore[arg-type]
+    request = LoRARequest(lora_name="a@1234", lora_int_id=1, lora_path="/nowhere")
+    digest = "sha256:1234"
+
+    async def scenario() -> tuple[int, int]:
+        answered = asyncio.Event()
+
+        async def slow_add_lora(request: LoRARequest) -> bool:
+            await answered.wait()
+            return True
+
+        host.engine.add_lora = slow_add_lora  # type: ignore[method-assign]
+        caller = asyncio.ensure_future(adapters._load(request, digest, None))
+        await asyncio.sleep(0.01)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        while_reading = cache.holds[digest]
+        answered.set()
+        for _ in range(100):  # released from a thread once the engine answered
+            await asyncio.sleep(0.01)
+            if not cache.holds[digest]:
+                break
+        return while_reading, cache.holds[digest]
+
+    assert asyncio.run(scenario()) == (1, 0)
+
+
+class ListingEngine:
+    """``add_lora`` and ``list_loras`` over a set of ids."""
+
+    def __init__(self) -> None:
+        self.loaded: set[int] = set()
+        self.loads = 0
+
+    async def add_lora(self, request: LoRARequest) -> bool:
+        self.loads += 1
+        self.loaded.add(request.lora_int_id)
+        return True
+
+    async def list_loras(self) -> set[int]:
+        return set(self.loaded)
+
+
+class LoopHost:
+    """``run`` on an event loop of its own, as ``EngineHost``'s."""
+
+    def __init__(self) -> None:
+        self.engine = ListingEngine()
+
+    def run(self, coro: Any, timeout_s: float | None = None) -> Any:
+        return asyncio.run(coro)
+
+    def check_serving(self) -> None:
+        pass
+
+
+class PathCache(Cache):
+    def path_for(self, digest: str) -> str:
+        return f"/cache/{digest}"
+
+
+def test_a_prefetch_that_a_jobs_load_got_ahead_of_does_not_call_the_adapter_its_own() -> None:
+    """The prefetch decided to register the adapter, but a job for it (which joins the
+    prefetch's GPU slot) got the load first: the prefetch must not count it as its own, or
+    the next job would say ``prefetched: true`` about a load a job did."""
+    host = LoopHost()
+    adapters = EngineAdapters(host, PathCache(), max_loras=2, max_cpu_loras=4)  # type: ignore[arg-type]
+    digest = "sha256:" + "e" * 64
+    real_load = adapters.load
+
+    async def a_job_loads_it_first(staged: Any, timings: Any, *args: Any) -> Any:
+        await real_load(staged, LoadTimings())  # the job that joined the slot
+        return await real_load(staged, timings, *args)
+
+    adapters.load = a_job_loads_it_first  # type: ignore[method-assign]
+    marks: list[bool] = []
+    assert not adapters.prefetch_into_engine("tail", digest, digest, marks.append)
+    assert (marks, host.engine.loads) == ([True, False], 1)

@@ -1,0 +1,115 @@
+"""The look-ahead's bookkeeping (pure logic: Redis, the engine and the disk cache are
+stand-ins): a waiting job counts once in its adapter's request rate, and a prefetch that
+reached no level is neither used nor wasted."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from prometheus_client import REGISTRY
+
+from contracts.task_messages import task_message
+from worker.prefetch import LOOKAHEAD, Prefetcher
+
+BASE = "sha256:" + "b" * 64
+DIGEST = "sha256:" + "d" * 64
+
+
+def _raw(job_id: str) -> str:
+    job = {
+        "job_id": job_id,
+        "adapter": "tail",
+        "revision": DIGEST,
+        "base_model": {"id": "m", "digest": BASE},
+    }
+    return task_message("lorafleet.run_job", job_id, "q", [job], f"job {job_id}")
+
+
+class Redis:
+    """``pipeline().lrange(...).execute()`` over one queue's messages."""
+
+    def __init__(self) -> None:
+        self.queue: list[str] = []
+
+    def pipeline(self, transaction: bool = False) -> Redis:
+        return self
+
+    def lrange(self, key: str, start: int, end: int) -> None:
+        pass
+
+    def execute(self) -> list[list[str]]:
+        return [list(self.queue)]
+
+
+class Cache:
+    on_evict: Any = None
+
+    def __init__(self) -> None:
+        self.expected: Counter[str] = Counter()
+
+    def expect(self, digest: str, requests: float = 1.0) -> None:
+        self.expected[digest] += requests
+
+    def has(self, digest: str) -> bool:
+        return True  # on disk: nothing to fetch
+
+
+class Adapters:
+    on_proven: Any = None
+
+    def engine_has_room(self) -> bool:
+        return False  # nothing to register either
+
+
+def _prefetcher(redis: Redis, cache: Cache) -> Prefetcher:
+    return Prefetcher(
+        redis,  # type: ignore[arg-type]
+        Adapters(),  # type: ignore[arg-type]
+        cache,  # type: ignore[arg-type]
+        BASE,
+        ["q"],
+        lookahead_jobs=16,
+        interval_s=60.0,
+    )
+
+
+def _wasted() -> float:
+    value = REGISTRY.get_sample_value(
+        "lorafleet_adapter_prefetches_total", {"trigger": LOOKAHEAD, "outcome": "wasted"}
+    )
+    return value or 0.0
+
+
+def test_a_job_the_look_ahead_counted_while_it_waited_is_not_counted_again_by_its_fetch() -> None:
+    redis, cache = Redis(), Cache()
+    prefetcher = _prefetcher(redis, cache)
+    redis.queue = [_raw("waits"), _raw("taken-at-once")]
+    prefetcher._lookahead()
+    redis.queue = [_raw("waits")]  # the other one was taken within the pass
+    for _ in range(3):  # still waiting, pass after pass
+        prefetcher._lookahead()
+    assert cache.expected[DIGEST] == 1
+    assert prefetcher.counted_ahead("waits")  # its own fetch does not count it
+    assert not prefetcher.counted_ahead("waits")  # once
+    assert not prefetcher.counted_ahead("taken-at-once")  # never seen waiting: its fetch counts
+
+
+def test_a_registration_that_failed_leaves_nothing_to_call_wasted() -> None:
+    prefetcher = _prefetcher(Redis(), Cache())
+    before = _wasted()
+    prefetcher._mark(DIGEST, "cpu", LOOKAHEAD, True)  # decided, then the load failed
+    prefetcher._mark(DIGEST, "cpu", LOOKAHEAD, False)
+    prefetcher._evicted(DIGEST)
+    assert _wasted() == before
+    assert not prefetcher.found(DIGEST, "disk")
+
+
+def test_a_prefetched_download_nobody_used_is_wasted_though_its_registration_failed() -> None:
+    prefetcher = _prefetcher(Redis(), Cache())
+    before = _wasted()
+    prefetcher._reached(DIGEST, "disk", LOOKAHEAD)
+    prefetcher._mark(DIGEST, "cpu", LOOKAHEAD, True)
+    prefetcher._mark(DIGEST, "cpu", LOOKAHEAD, False)
+    prefetcher._evicted(DIGEST)
+    assert _wasted() == before + 1
