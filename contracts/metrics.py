@@ -30,6 +30,8 @@ ENGINE_FAILURES = "lorafleet_engine_failures_total"
 DEADLINE_BEYOND_VISIBILITY = "lorafleet_deadline_beyond_visibility_total"
 JOB_CPU = "lorafleet_job_cpu_seconds_total"
 ADAPTER_PREFETCHES = "lorafleet_adapter_prefetches_total"
+PREFETCH_OUTCOMES = ("started", "disk", "cpu", "used", "wasted", "failed")
+"""The ``outcome`` label values of ``ADAPTER_PREFETCHES``."""
 
 OTHER = "other"
 """The ``adapter`` label of requests for aliases beyond the top K."""

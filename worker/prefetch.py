@@ -3,11 +3,13 @@
 Every ``LORAFLEET_PREFETCH_INTERVAL_S`` the worker reads the next ``LORAFLEET_LOOKAHEAD_JOBS``
 messages of each queue it takes (its pool's queues of its tiers and its own: one pipelined
 round trip of ``LRANGE``s; kombu's Redis transport takes from the right end, so those are the
-jobs it takes next). A job still there at the next pass is waiting (one taken within a pass
-needs no help, and its own fetch is timed as its own). The adapters of its base model that
-such jobs want and that are not on its disk are downloaded and verified exactly as a job
-would (``AdapterCache.prefetch``: the same streaming hash, the same refusal of altered files,
-nothing of them kept). Room is made only by evicting entries no running job holds and no
+jobs it takes next). A job in the worker's own queue is waiting for it at first sight (routing
+placed it there; no other worker takes it); a job of a shared queue once it is still there at
+the next pass (every worker of the pool sees it, and one taken within a pass needs no help). A
+job taken while its adapter's prefetch downloads joins that download. The adapters of its base
+model that such jobs want and that are not on its disk are downloaded and verified exactly as a
+job would (``AdapterCache.prefetch``: the same streaming hash, the same refusal of altered
+files, nothing of them kept). Room is made only by evicting entries no running job holds and no
 waiting job wants; there being none, the prefetch is skipped. A prefetched adapter is then
 registered in the engine while that costs nothing: a free place in its CPU cache, and no job
 waiting for a GPU slot (``EngineAdapters.prefetch_into_engine``).
@@ -112,6 +114,7 @@ class Prefetcher(Periodic):
         self._trigger: dict[str, str] = {}
         self._unused: set[str] = set()
         self._seen: set[str] = set()  # job ids waiting at the last pass
+        self._joined: set[str] = set()  # digests a job waits for the prefetch's download of
         self._proven_key = engine_proven_key(engine_version)
         self._proven: set[str] = set()
         self._to_announce: list[str] = []
@@ -140,8 +143,14 @@ class Prefetcher(Periodic):
         pipe = self._redis.pipeline(transaction=False)
         for queue in self._queues:
             pipe.lrange(queue, -self._lookahead_jobs, -1)
-        jobs = waiting_jobs(pipe.execute(), self._base_digest)
+        lists = pipe.execute()
+        # The worker's own queue (routing placed those jobs here: no other worker takes
+        # them) counts at first sight; a shared queue's job once it is still there at the
+        # next pass (every worker of the pool sees it; one taken within a pass needs no help).
+        own = {job_id for job_id, _, _ in waiting_jobs(lists[:1], self._base_digest)}
+        jobs = waiting_jobs(lists, self._base_digest)
         seen, self._seen = self._seen, {job_id for job_id, _, _ in jobs}
+        seen |= own
         wanted: dict[str, str] = {}  # revision -> alias, the next job's first
         asking: list[str] = []  # a waiting job asks for it, counted once
         now = time.monotonic()
@@ -305,6 +314,7 @@ class Prefetcher(Periodic):
         finally:
             with self._lock:
                 self._busy.discard(revision)
+                self._joined.discard(revision)
                 now = time.monotonic()
                 self._not_before = {d: t for d, t in self._not_before.items() if t > now}
             self._slots.release()
@@ -319,7 +329,11 @@ class Prefetcher(Periodic):
             if reached:
                 self._levels.setdefault(revision, set()).add(level)
                 self._trigger[revision] = trigger
-                self._unused.add(revision)
+                if revision in self._joined:  # a job took it as it arrived
+                    self._joined.discard(revision)
+                    metrics.PREFETCHES.labels(trigger, "used").inc()
+                else:
+                    self._unused.add(revision)
             elif revision in self._levels:
                 levels = self._levels[revision]
                 levels.discard(level)
@@ -346,6 +360,8 @@ class Prefetcher(Periodic):
     def found(self, digest: str, residency: Residency) -> bool:
         """A job found ``digest`` at ``residency``: whether a prefetch brought it there."""
         with self._lock:
+            if residency == "remote" and digest in self._busy:
+                self._joined.add(digest)  # it waits for the prefetch's download: a use
             levels = self._levels.get(digest)
             if levels is None:
                 return False

@@ -145,6 +145,7 @@ def trial_result(
         queue_depth=driven.queue_depth,
         worker_rss_mb=driven.worker_rss_mb,
         gpu_memory_mb=driven.gpu_memory_mb,
+        prefetches=driven.prefetches,
         budget_violations=violations(manifest, records),
     )
 

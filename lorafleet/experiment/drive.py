@@ -15,7 +15,7 @@ import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -44,7 +44,12 @@ class Driven:
     queue_depth: list[Sample]
     worker_rss_mb: list[Sample]
     gpu_memory_mb: list[Sample] | None = None
+    prefetches: dict[str, float] = field(default_factory=dict)
 
+
+PREFETCH_PROBE = "prefetches:"
+"""Probes named ``prefetches:<outcome>`` read a cumulative count of the worker's prefetches
+with that outcome: the trial's own are the last sample less the first."""
 
 Probe = Callable[[], Awaitable[float | None]]
 
@@ -232,6 +237,11 @@ async def drive(
         queue_depth=samples.get("queue_depth", []),
         worker_rss_mb=samples.get("worker_rss_mb", []),
         gpu_memory_mb=samples.get("gpu_memory_mb"),
+        prefetches={
+            name.removeprefix(PREFETCH_PROBE): round(series[-1].value - series[0].value, 3)
+            for name, series in samples.items()
+            if name.startswith(PREFETCH_PROBE) and series
+        },
     )
 
 

@@ -126,6 +126,12 @@ class TrialResult(BaseModel):
     queue_depth: list[Sample] = Field(default_factory=list)
     worker_rss_mb: list[Sample] = Field(default_factory=list)
     gpu_memory_mb: list[Sample] | None = Field(default=None, description="None: no GPU")
+    prefetches: dict[str, float] = Field(
+        default_factory=dict,
+        description="the worker's adapter prefetches during the trial by outcome (started, "
+        "disk, cpu, used, wasted, failed; every trigger), where its metrics were read (local "
+        "runs)",
+    )
     budget_violations: list[str] = Field(default_factory=list)
 
 

@@ -28,7 +28,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
 from lorafleet.experiment.analysis import decide, trial_result
-from lorafleet.experiment.drive import Probe, TrialContext, drive
+from lorafleet.experiment.drive import (
+    PREFETCH_PROBE,
+    SAMPLE_EVERY_S,
+    Probe,
+    TrialContext,
+    drive,
+)
 from lorafleet.experiment.manifest import LOCAL_RESET, Manifest, ManifestError
 from lorafleet.experiment.results import (
     CellConfig,
@@ -580,7 +586,71 @@ class _CellWorker:
         probes: dict[str, Probe] = {"worker_rss_mb": rss_mb}
         if shutil.which("nvidia-smi"):  # never run on the machines this was built on
             probes["gpu_memory_mb"] = _gpu_memory_mb
+        from contracts.metrics import PREFETCH_OUTCOMES
+
+        counts = _PrefetchCounts(self.stack, lambda: self.child)
+        for outcome in PREFETCH_OUTCOMES:
+            probes[PREFETCH_PROBE + outcome] = counts.probe(outcome)
         return probes
+
+
+class _PrefetchCounts:
+    """The cell worker's ``lorafleet_adapter_prefetches_total`` by outcome (every trigger
+    summed), read from its metrics endpoint (found in its announcement) at most once per
+    sampling round."""
+
+    def __init__(self, stack: LocalStack, child: Callable[[], Child | None]) -> None:
+        self._stack = stack
+        self._child = child
+        self._port: tuple[int, int] | None = None  # (worker pid, metrics port)
+        self._read_at = 0.0
+        self._counts: dict[str, float] = {}
+
+    def _metrics_port(self, pid: int) -> int | None:
+        from contracts.keys import WORKERS_INDEX, worker_key
+
+        if self._port is not None and self._port[0] == pid:
+            return self._port[1]
+        family = {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
+        redis = self._stack.redis()
+        for worker_id in redis.smembers(WORKERS_INDEX):
+            raw = redis.get(worker_key(str(worker_id)))
+            record = json.loads(raw) if raw else {}
+            if record.get("pid") in family and record.get("metrics_port"):
+                self._port = (pid, int(record["metrics_port"]))
+                return self._port[1]
+        return None
+
+    async def _read(self) -> dict[str, float] | None:
+        child = self._child()
+        if child is None:
+            return None
+        if time.monotonic() - self._read_at < SAMPLE_EVERY_S / 2:
+            return self._counts
+        port = await asyncio.to_thread(self._metrics_port, child.pid)
+        if port is None:
+            return None
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from contracts import metrics as names
+
+        counts = dict.fromkeys(names.PREFETCH_OUTCOMES, 0.0)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == names.ADAPTER_PREFETCHES:
+                    outcome = sample.labels.get("outcome", "")
+                    counts[outcome] = counts.get(outcome, 0.0) + sample.value
+        self._counts, self._read_at = counts, time.monotonic()
+        return counts
+
+    def probe(self, outcome: str) -> Probe:
+        async def read() -> float | None:
+            counts = await self._read()
+            return None if counts is None else counts.get(outcome, 0.0)
+
+        return read
 
 
 def _refusal(text: str) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from contracts.metrics import PREFETCH_OUTCOMES
 from lorafleet.experiment import analysis
 from lorafleet.experiment.results import RequestRecord, Results
 from tests.helpers import processes_with_env
@@ -173,6 +174,11 @@ def test_reset_trials_start_cold_and_the_reversal_moves_the_popular_adapter(
     assert reversal.reversal_at_s is not None
     assert any(t.worker_rss_mb for t in started.trials)
     assert any(t.queue_depth for t in started.trials)
+    # the worker's prefetch counters were read in every trial (the default look-ahead finds
+    # nothing to do with a worker that takes every job at once: counts, not their values)
+    for trial in started.trials:
+        assert set(trial.prefetches) == set(PREFETCH_OUTCOMES), trial.prefetches
+        assert all(value >= 0 for value in trial.prefetches.values())
 
 
 def test_the_decision_and_the_report(experiment: dict[str, Any]) -> None:

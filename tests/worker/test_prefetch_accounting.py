@@ -27,7 +27,8 @@ def _raw(job_id: str) -> str:
 
 
 class Redis:
-    """``pipeline().lrange(...).execute()`` over one queue's messages."""
+    """``pipeline().lrange(...).execute()``: the worker's own queue (empty) and a shared
+    queue's messages."""
 
     def __init__(self) -> None:
         self.queue: list[str] = []
@@ -39,7 +40,7 @@ class Redis:
         pass
 
     def execute(self) -> list[list[str]]:
-        return [list(self.queue)]
+        return [[], list(self.queue)]
 
 
 class Cache:
@@ -68,7 +69,7 @@ def _prefetcher(redis: Redis, cache: Cache) -> Prefetcher:
         Adapters(),  # type: ignore[arg-type]
         cache,  # type: ignore[arg-type]
         BASE,
-        ["q"],
+        ["own", "shared"],
         lookahead_jobs=16,
         interval_s=60.0,
     )
@@ -113,3 +114,50 @@ def test_a_prefetched_download_nobody_used_is_wasted_though_its_registration_fai
     prefetcher._mark(DIGEST, "cpu", LOOKAHEAD, False)
     prefetcher._evicted(DIGEST)
     assert _wasted() == before + 1
+
+
+def test_a_job_in_the_workers_own_queue_is_waiting_at_first_sight() -> None:
+    """Routing put it there: no other worker takes it, so its adapter is fetched at once; a
+    shared queue's job only once it is still there at the next pass."""
+
+    class TwoQueues(Redis):
+        def __init__(self) -> None:
+            super().__init__()
+            self.own: list[str] = []
+
+        def execute(self) -> list[list[str]]:
+            return [list(self.own), list(self.queue)]
+
+    redis, cache = TwoQueues(), Cache()
+    prefetcher = Prefetcher(
+        redis,  # type: ignore[arg-type]
+        Adapters(),  # type: ignore[arg-type]
+        cache,  # type: ignore[arg-type]
+        BASE,
+        ["own", "shared"],
+        lookahead_jobs=16,
+        interval_s=60.0,
+    )
+    redis.own, redis.queue = [_raw("routed-here")], [_raw("in-the-pool")]
+    prefetcher._lookahead()
+    assert prefetcher.counted_ahead("routed-here")
+    assert not prefetcher.counted_ahead("in-the-pool")
+    prefetcher._lookahead()
+    assert prefetcher.counted_ahead("in-the-pool")
+
+
+def test_a_job_that_joins_a_prefetchs_download_uses_it() -> None:
+    prefetcher = _prefetcher(Redis(), Cache())
+    before = _wasted()
+    used = REGISTRY.get_sample_value(
+        "lorafleet_adapter_prefetches_total", {"trigger": LOOKAHEAD, "outcome": "used"}
+    )
+    prefetcher._busy.add(DIGEST)  # downloading
+    assert not prefetcher.found(DIGEST, "remote")  # it found it remote, and waits for it
+    prefetcher._reached(DIGEST, "disk", LOOKAHEAD)
+    prefetcher._evicted(DIGEST)
+    assert _wasted() == before
+    after = REGISTRY.get_sample_value(
+        "lorafleet_adapter_prefetches_total", {"trigger": LOOKAHEAD, "outcome": "used"}
+    )
+    assert (after or 0.0) == (used or 0.0) + 1
