@@ -254,14 +254,33 @@ APPEND_DELTAS = (
     HOLDS_LUA
     + """
 -- KEYS: per job, its stream, its lease and its record. ARGV: 1 stream ttl (s), 2 lease ttl
--- (ms), then per job the lease value and the text. Entries are tagged with the lease value:
--- it names one execution. Returns the 1-based positions refused.
+-- (ms), then per job the lease value, the byte offset of the text in the execution's text,
+-- and the text. Entries are tagged with the lease value (it names one execution) and their
+-- offset. A text the stream already holds in part (a call that ran but whose reply was lost,
+-- sent again with what came since) is appended from where the execution's last entry ends:
+-- nothing twice. Returns the 1-based positions refused.
 local refused = {}
 for i = 1, #KEYS / 3 do
   local stream, lease, job = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
-  local value, text = ARGV[2 * i + 1], ARGV[2 * i + 2]
+  local value, off, text = ARGV[3 * i], tonumber(ARGV[3 * i + 1]), ARGV[3 * i + 2]
   if holds(lease, job, value, ARGV[2]) then
-    redis.call('XADD', stream, '*', 'attempt', value, 'text', text)
+    local skip = 0
+    local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
+    if last then
+      local f, attempt, at, written = last[2], nil, nil, nil
+      for j = 1, #f, 2 do
+        if f[j] == 'attempt' then attempt = f[j + 1]
+        elseif f[j] == 'off' then at = tonumber(f[j + 1])
+        elseif f[j] == 'text' then written = f[j + 1] end
+      end
+      if attempt == value and at and written and at + #written > off then
+        skip = at + #written - off
+      end
+    end
+    if skip < #text then
+      redis.call('XADD', stream, '*', 'attempt', value, 'off', off + skip,
+                 'text', string.sub(text, skip + 1))
+    end
     redis.call('EXPIRE', stream, ARGV[1])
   else
     table.insert(refused, i)
@@ -376,12 +395,13 @@ def renew_call(
 
 
 def append_call(
-    deltas: list[tuple[str, str, str]], stream_ttl_s: int, lease_ttl_s: float
+    deltas: list[tuple[str, str, int, str]], stream_ttl_s: int, lease_ttl_s: float
 ) -> tuple[list[str], list[str | int]]:
-    """``(keys, args)`` of ``APPEND_DELTAS`` for ``(job id, lease value, text)`` triples."""
+    """``(keys, args)`` of ``APPEND_DELTAS`` for ``(job id, lease value, offset, text)``:
+    ``offset`` is where ``text`` starts in the execution's text, in UTF-8 bytes."""
     keys: list[str] = []
     args: list[str | int] = [stream_ttl_s, _ms(lease_ttl_s)]
-    for job_id, lease, text in deltas:
+    for job_id, lease, offset, text in deltas:
         keys += [stream_key(job_id), lease_key(job_id), job_key(job_id)]
-        args += [lease, text]
+        args += [lease, offset, text]
     return keys, args

@@ -239,6 +239,7 @@ class JobRunner:
         if message.stream:
             try:
                 self._deltas.flush(message.job_id, running.attempt, STREAM_FLUSH_S)
+                self._deltas.discard(message.job_id, running.attempt)  # all written
             except StreamFenced:
                 raise JobStopped(StopReason.LEASE_LOST) from None
             except TimeoutError as exc:

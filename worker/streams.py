@@ -3,8 +3,11 @@
 Entries carry the execution that wrote them (its lease value, ``worker id|attempt``, unique
 even when an attempt handed back uncounted is run again under the same number): after a
 crash and redelivery the new execution streams from the start again, and the reader (the
-gateway) skips what it already sent. The stream expires
-``STREAM_TTL_S`` after its last entry; the job record keeps the full result regardless.
+gateway) skips what it already sent. Entries also carry where their text starts in the
+execution's text (``off``, UTF-8 bytes): a call that ran but whose reply was lost is sent again
+(with what was published since), and the script appends only what the stream lacks, so no
+text is ever written twice. The stream expires ``STREAM_TTL_S`` after its last entry; the job
+record keeps the full result regardless.
 
 The engine loop hands each delta over without waiting (``publish``); one writer thread
 appends whatever accumulated, per job coalesced into one entry, for every job in one script
@@ -57,6 +60,9 @@ class DeltaPublisher:
         self._pending: dict[_Attempt, list[str]] = {}
         self._writing: set[_Attempt] = set()
         self._fenced: set[_Attempt] = set()
+        # UTF-8 bytes of each attempt's text known to be in its stream (where its next text
+        # starts): a batch sent again after a lost reply is appended from where it ended.
+        self._written: dict[_Attempt, int] = {}
         self._writer = Background("stream-writer", self._run, join_timeout_s=5)
 
     def start(self) -> None:
@@ -72,6 +78,7 @@ class DeltaPublisher:
         """Queue one delta of ``attempt`` (called on the engine loop: never blocks on Redis)."""
         with self._cond:
             self._pending.setdefault((job_id, attempt), []).append(text)
+            self._written.setdefault((job_id, attempt), 0)
             self._cond.notify_all()
 
     def flush(self, job_id: str, attempt: int, timeout_s: float) -> None:
@@ -95,10 +102,12 @@ class DeltaPublisher:
                 self._fenced.discard(key)
 
     def discard(self, job_id: str, attempt: int) -> None:
-        """Drop what ``attempt`` published and has not been written (the job was stopped)."""
+        """Forget ``attempt``, which publishes no more: drop what it published and has not
+        been written (the job was stopped), and where its text ends."""
         with self._cond:
             self._pending.pop((job_id, attempt), None)
             self._fenced.discard((job_id, attempt))
+            self._written.pop((job_id, attempt), None)
 
     def _run(self, stopping: threading.Event) -> None:
         while True:
@@ -135,10 +144,19 @@ class DeltaPublisher:
 
     def _write(self, batch: dict[_Attempt, list[str]]) -> set[_Attempt]:
         order = list(batch)
+        with self._cond:
+            offsets = [self._written.get(key, 0) for key in order]
+        texts = ["".join(batch[key]) for key in order]
         deltas = [
-            (job_id, lease_value(self._worker_id, attempt), "".join(texts))
-            for (job_id, attempt), texts in batch.items()
+            (job_id, lease_value(self._worker_id, attempt), offset, text)
+            for (job_id, attempt), offset, text in zip(order, offsets, texts, strict=True)
         ]
         keys, args = append_call(deltas, STREAM_TTL_S, self._lease_ttl_s)
-        refused = self._append(keys=keys, args=args)
-        return {order[int(position) - 1] for position in refused or ()}
+        refused = {
+            order[int(position) - 1] for position in self._append(keys=keys, args=args) or ()
+        }
+        with self._cond:
+            for key, offset, text in zip(order, offsets, texts, strict=True):
+                if key not in refused and key in self._written:  # not flushed nor discarded
+                    self._written[key] = offset + len(text.encode())
+        return refused

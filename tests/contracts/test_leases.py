@@ -52,8 +52,9 @@ def _renew(redis: Redis, job: JobPublic, worker: str) -> bool:
     return not redis.register_script(RENEW)(keys=keys, args=args)
 
 
-def _append(redis: Redis, job: JobPublic, worker: str, text: str) -> bool:
-    keys, args = append_call([(job.id, lease_value(worker, job.attempts), text)], 60, TTL_S)
+def _append(redis: Redis, job: JobPublic, worker: str, text: str, offset: int = 0) -> bool:
+    lease = lease_value(worker, job.attempts)
+    keys, args = append_call([(job.id, lease, offset, text)], 60, TTL_S)
     return not redis.register_script(APPEND_DELTAS)(keys=keys, args=args)
 
 
@@ -107,7 +108,7 @@ def test_a_lease_lost_to_an_outage_is_taken_back_by_its_attempt_unless_claimed(
     entries = redis.xrange(stream_key(job.id))
     assert [(f["attempt"], f["text"]) for _, f in entries] == [  # type: ignore[union-attr]
         ("w1:1:a|1", "Hel"),
-        ("w2:2:b|2", "Hello"),
+        ("w2:2:b|2", "Hello"),  # another execution: from its own start
     ]
     # The first attempt's outcome is refused too: the counter is the second's.
     done = running.model_copy(update={"status": JobStatus.SUCCEEDED})
@@ -140,12 +141,14 @@ def test_the_terminal_write_ends_the_stream_with_a_marker_and_creates_none(
     the script that made the job terminal; a job that streamed nothing gets no stream."""
     job = _queued(redis)
     _, running = _claim(redis, job, "w1:1:a")
-    assert _append(redis, running, "w1:1:a", "Hel") and _append(redis, running, "w1:1:a", "lo")
+    assert _append(redis, running, "w1:1:a", "Hel") and _append(redis, running, "w1:1:a", "lo", 3)
     done = running.model_copy(update={"status": JobStatus.SUCCEEDED})
     keys, args = advance_call(done, 60, expect_attempts=running.attempts)
     assert Advance(int(redis.register_script(ADVANCE)(keys=keys, args=args))) == Advance.WRITTEN
     entries = [fields for _, fields in redis.xrange(stream_key(job.id))]  # type: ignore[union-attr]
-    assert entries[:2] == [{"attempt": "w1:1:a|1", "text": t} for t in ("Hel", "lo")]
+    assert entries[:2] == [
+        {"attempt": "w1:1:a|1", "off": off, "text": t} for off, t in (("0", "Hel"), ("3", "lo"))
+    ]
     assert entries[2:] == [{STREAM_END: "succeeded"}]
     # A later (refused) terminal write appends nothing.
     failed = running.model_copy(update={"status": JobStatus.FAILED})
@@ -208,3 +211,17 @@ def test_a_rejoining_worker_leaves_a_running_job_to_the_attempt_that_may_take_it
     assert _claim(redis, job, "w2:2:b", rejoining=True)[0] == Claimed.REJOINING
     assert _claim(redis, job, "w2:2:b")[0] == Claimed.RUN  # past the grace: claimed again
     assert redis.get(lease_key(job.id)) == "w2:2:b|2"
+
+
+def test_text_sent_again_after_a_lost_reply_is_appended_once(redis: Redis) -> None:
+    """The writer could not tell whether a call ran (its reply was lost) and sends the same
+    text again, with what was published since: the stream holds each byte once."""
+    job = _queued(redis)
+    _, running = _claim(redis, job, "w1:1:a")
+    assert _append(redis, running, "w1:1:a", "Hé")  # ran; the worker never heard
+    assert _append(redis, running, "w1:1:a", "Héllo", 0)  # sent again, with "llo"
+    assert _append(redis, running, "w1:1:a", "Héllo", 0)  # and again: nothing new
+    assert _append(redis, running, "w1:1:a", " wörld", len("Héllo".encode()))
+    texts = [f["text"] for _, f in redis.xrange(stream_key(job.id))]  # type: ignore[union-attr]
+    assert "".join(texts) == "Héllo wörld"
+    assert texts == ["Hé", "llo", " wörld"]
