@@ -3,7 +3,15 @@ generated request sequences (skewed and popularity-reversal profiles) run once p
 after the other in one invocation, and compared side by side.
 
     .venv/bin/python benchmarks/prediction.py --out prediction-out [--requests 300
-        --rates 8,16 --worker-concurrency 4 --arms off,lookahead,popularity]
+        --rates 8,16 --worker-concurrency 4 --arms off,lookahead,popularity,popularity:12
+        --profiles skewed,reversal --trials warmed,reset --rounds 1 --store-delay-ms 300]
+
+An arm is a ``LORAFLEET_PREDICTION`` value; ``popularity:N`` also sets
+``LORAFLEET_POPULARITY_PREFETCH=N``. ``--rounds 2`` runs the arms in turn twice (A B A B) and
+pools each arm's rounds. ``--store-delay-ms`` puts ``slow_store.py`` between the stack and
+its moto server (every S3 read held back that long: a simulated distance to the store, since
+a fixture adapter is fetched from this machine's memory in ~30 ms where a real one takes
+hundreds of milliseconds); 0 runs moto directly.
 
 Each arm is ``lorafleet experiment run`` of the same manifest (``template --local``: 12
 fixture adapters cold in S3, one cell max_loras 2 / max_cpu_loras 4, warmed and reset trials)
@@ -17,8 +25,10 @@ Per arm and profile it prints: the hit ratio at arrival (the adapter in the engi
 `cpu`), the share of jobs that found their adapter where a prefetch put it, TTFT p50/p95/p99
 (client side, send to first text) of the popular adapter (the most requested one of each
 half of the trial: the reversal swaps it) and of the long tail (every other adapter), and
-fetches from S3 per minute (jobs that timed a fetch). Everything shares this machine's two
-cores: generator, gateway, Redis, S3, worker and engine.
+fetches from S3 per minute (jobs that timed a fetch), and the worker's prefetches started, used
+and wasted during the trials (its ``lorafleet_adapter_prefetches_total``, read by the
+experiment). Everything shares this machine's two cores: generator, gateway, Redis, S3, worker
+and engine.
 """
 
 from __future__ import annotations
@@ -92,6 +102,8 @@ def main() -> None:
     path.write_text(yaml.safe_dump(manifest, sort_keys=False))
     console.print(f"manifest: {path}")
     arms = args.arms.split(",")
+    for arm in arms:
+        _arm_env(arm)  # refused before anything starts
     runs: list[tuple[str, Path]] = []
     with contextlib.ExitStack() as services:
         store_env = {}
@@ -105,8 +117,8 @@ def main() -> None:
                 env = {
                     **os.environ,
                     **store_env,
-                    "LORAFLEET_PREDICTION": arm,
                     "LORAFLEET_WORKER_CONCURRENCY": str(args.worker_concurrency),
+                    **_arm_env(arm),
                 }
                 command = [
                     *lorafleet,
@@ -123,6 +135,18 @@ def main() -> None:
     summary = summarise(runs, args.profiles.split(","), args.trials.split(","), console)
     summary["store_delay_ms"] = args.store_delay_ms
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+def _arm_env(arm: str) -> dict[str, str]:
+    """``off``, ``lookahead``, ``popularity``, or ``popularity:N`` (the pool's N most
+    asked-for adapters prefetched, ``LORAFLEET_POPULARITY_PREFETCH``)."""
+    prediction, _, top = arm.partition(":")
+    if prediction not in ARMS or (top and prediction != "popularity"):
+        raise SystemExit(f"unknown arm {arm!r}: one of {', '.join(ARMS)}, or popularity:N")
+    env = {"LORAFLEET_PREDICTION": prediction}
+    if top:
+        env["LORAFLEET_POPULARITY_PREFETCH"] = str(int(top))
+    return env
 
 
 @contextlib.contextmanager
