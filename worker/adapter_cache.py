@@ -217,6 +217,15 @@ class AdapterCache:
         with self._cond:
             return digest in self._entries
 
+    def in_use(self, digest: str) -> bool:
+        """On disk, held by a job (or anything else), or being downloaded."""
+        with self._cond:
+            return (
+                digest in self._entries
+                or bool(self._holds.get(digest))
+                or digest in self._downloads
+            )
+
     @contextmanager
     def hold(self, digest: str) -> Iterator[None]:
         """Keep ``digest`` from eviction for the duration (it need not be present yet)."""

@@ -212,6 +212,7 @@ class EngineAdapters:
         self._max_cpu_loras = max_cpu_loras  # None: nothing is registered ahead of its jobs
         self._guard = threading.Lock()
         self._ids: dict[str, int] = {}
+        self._last_id = 0  # ids are never reused, though digests are forgotten (``prune``)
         self._handed: dict[int, str] = {}
         self._pinned: set[int] = set()
         # Jobs of a pinned adapter in the engine now: they hold no gate slot, so an unpin
@@ -238,8 +239,39 @@ class EngineAdapters:
     def _id_for(self, digest: str) -> int:
         with self._guard:
             if digest not in self._ids:
-                self._ids[digest] = len(self._ids) + 1
+                self._last_id += 1
+                self._ids[digest] = self._last_id
             return self._ids[digest]
+
+    def prune(self, timeout_s: float) -> int:
+        """Forget what is kept per digest (its engine id, the digest the engine was handed,
+        its load lock) for every adapter that left every level: not in the engine (its own
+        answer, as ``registered``), not pinned, not on disk, held by nothing, not being
+        downloaded. Over weeks of new revisions these maps would otherwise only grow. A digest
+        asked for again gets a new id (the engine no longer holds the old one). How many were
+        forgotten."""
+        try:
+            held = self.registered(time.time() + timeout_s)
+        except (JobFailure, EngineFailed):
+            return 0
+        forgotten = 0
+        with self._guard:  # a job takes its hold before it asks for an id: checked under it
+            for digest, lora_id in list(self._ids.items()):
+                if (
+                    lora_id in held
+                    or lora_id in self._pinned
+                    or lora_id in self._in_engine
+                    or self._cache.in_use(digest)
+                ):
+                    continue
+                lock = self._loading.get(digest)
+                if lock is not None and lock.locked():
+                    continue
+                del self._ids[digest]
+                self._handed.pop(lora_id, None)
+                self._loading.pop(digest, None)
+                forgotten += 1
+        return forgotten
 
     def request_for(self, alias: str, digest: str) -> LoRARequest:
         return LoRARequest(

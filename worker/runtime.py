@@ -485,6 +485,7 @@ class WorkerRuntime:
             engine = self.adapters.levels(timeout_s=min(0.5, self.settings.residency_publish_s))
             if engine is not None:
                 self._engine_levels = engine
+                self.adapters.prune(timeout_s=min(0.5, self.settings.residency_publish_s))
         levels.update(self._engine_levels)
         return levels
 

@@ -188,3 +188,34 @@ def test_a_prefetch_that_a_jobs_load_got_ahead_of_does_not_call_the_adapter_its_
     marks: list[bool] = []
     assert not adapters.prefetch_into_engine("tail", digest, digest, marks.append)
     assert (marks, host.engine.loads) == ([True, False], 1)
+
+
+class UseCache(PathCache):
+    """``in_use``: on disk (``present``) or held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.present: set[str] = set()
+
+    def in_use(self, digest: str) -> bool:
+        return digest in self.present or self.holds[digest] > 0
+
+
+def test_what_is_kept_per_digest_is_forgotten_once_the_adapter_left_every_level() -> None:
+    """Over weeks of new revisions a worker would otherwise keep an id, a handed digest and a
+    load lock for every adapter it ever ran; forgotten ids are never given out again."""
+    host, cache = LoopHost(), UseCache()
+    adapters = EngineAdapters(host, cache, max_loras=2, max_cpu_loras=4)  # type: ignore[arg-type]
+    in_engine, on_disk, held, gone = (f"sha256:{c * 64}" for c in "1234")
+    ids = {d: adapters.request_for("a", d).lora_int_id for d in (in_engine, on_disk, held, gone)}
+    adapters._handed.update({lora_id: digest for digest, lora_id in ids.items()})
+    host.engine.loaded = {ids[in_engine]}
+    cache.present = {on_disk}
+    with cache.hold(held):
+        assert adapters.prune(timeout_s=5) == 1
+    assert set(adapters._ids) == {in_engine, on_disk, held}
+    assert ids[gone] not in adapters._handed
+    again = adapters.request_for("a", gone).lora_int_id
+    assert again not in ids.values()  # a new id: the old one may never name another adapter
+    assert adapters.prune(timeout_s=5) == 2  # the held one, let go; and the new id, unused
+    assert set(adapters._ids) == {in_engine, on_disk}
