@@ -33,7 +33,10 @@ class ServiceSettings(BaseSettings):
         description="Report unhandled errors to Sentry when set.",
     )
     job_ttl_s: int = Field(
-        default=7 * 24 * 3600, gt=0, description="How long job records and results are kept."
+        default=24 * 3600,
+        gt=0,
+        description="How long a job's record and result, a batch's record and a webhook "
+        "event are kept after their last change.",
     )
     job_deadline_s: float = Field(
         default=600.0,

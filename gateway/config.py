@@ -95,6 +95,12 @@ class GatewaySettings(ServiceSettings):
         description="Bytes of uploaded files one tenant may store; over it (or over the "
         "count) an upload is 429 `file_quota_exceeded`.",
     )
+    file_ttl_s: int = Field(
+        default=24 * 3600,
+        gt=0,
+        description="How long an uploaded file is kept (it counts in its tenant's quota "
+        "until then, or until deleted).",
+    )
     fleet_target_jobs_per_worker: int = Field(
         default=64, ge=1, description="Unfinished jobs one worker should hold (`/v1/fleet`)."
     )

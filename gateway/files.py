@@ -22,8 +22,6 @@ from gateway.config import GatewaySettings
 from gateway.errors import ApiError
 from gateway.openai_schemas import chat_completion_of, completion_of
 
-FILE_TTL_S = 7 * 24 * 3600
-
 
 class FileObject(BaseModel):
     id: str
@@ -148,12 +146,12 @@ class Files:
         settings = self._settings
         args = {
             "now": now,
-            "expires_at": now + FILE_TTL_S,
+            "expires_at": now + settings.file_ttl_s,
             "file_id": meta.id,
             "size": len(content),
             "max_count": settings.max_files_per_tenant,
             "max_bytes": settings.max_file_bytes_per_tenant,
-            "ttl_s": FILE_TTL_S,
+            "ttl_s": settings.file_ttl_s,
             "tenant": tenant.name,
         }
         keys = _keys(tenant, meta.id)
