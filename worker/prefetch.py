@@ -244,25 +244,31 @@ class Prefetcher(Periodic):
 
     def warm_up(self, timeout_s: float) -> int:
         """Before the worker takes jobs: fetch the pool's most asked-for adapters into free
-        disk room and free engine places, one after the other, for at most ``timeout_s``.
-        How many it made resident."""
+        disk room and free engine places, as many at a time as the look-ahead's downloads,
+        for at most ``timeout_s`` (those still under way then go on while the worker serves).
+        How many it made resident in time."""
         if not self._popularity:
             return 0
         deadline = time.monotonic() + timeout_s
-        done = 0
         try:
             popular = self._popular()
         except Exception as exc:  # Redis away: start cold rather than not at all
             log.warning("no warm-up: the pool's popularity could not be read (%s)", exc)
             return 0
+        started = []
         for alias, revision in popular:
-            if time.monotonic() >= deadline or self.stopping.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.stopping.is_set():
+                break
+            if not self._slots.acquire(timeout=remaining):
                 break
             with self._lock:
                 self._busy.add(revision)
-            self._slots.acquire()
-            done += self._prefetch(alias, revision, WARMUP, None)
-        return done
+            started.append(self._pool.submit(self._prefetch, alias, revision, WARMUP, None))
+        finished, _ = concurrent.futures.wait(
+            started, timeout=max(0.0, deadline - time.monotonic())
+        )
+        return sum(1 for future in finished if not future.cancelled() and future.result())
 
     def _prefetch(
         self, alias: str, revision: str, trigger: str, protect: frozenset[str] | None
