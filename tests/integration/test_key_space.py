@@ -83,7 +83,7 @@ def test_every_key_a_workload_leaves_expires_is_permanent_or_is_emptied_by_a_nam
         assert again.status_code == 202, again.text
         job_ids.append(again.json()["id"])
         cancelled = submit_job(api, alias)["id"]  # a long job, cancelled queued or running
-        assert api.post(f"/v1/jobs/{cancelled}/cancel").status_code == 200
+        assert api.delete(f"/v1/jobs/{cancelled}").status_code == 200
         job_ids.append(cancelled)
         text = client.completions.create(model=alias, prompt="keys", max_tokens=4)
         streamed = client.completions.create(model=alias, prompt="keys", max_tokens=4, stream=True)
@@ -113,8 +113,11 @@ def test_every_key_a_workload_leaves_expires_is_permanent_or_is_emptied_by_a_nam
             assert wait_job(api, job_id)["status"] in ("succeeded", "cancelled")
         receiver.wait_for(job_event_id(job_ids[0]))
         time.sleep(1.0)  # the delivery's own bookkeeping, after the receiver answered
+    new = _all_keys(redis) - before
+    for kind in ("job", "stream", "webhook", "batch", "file", "idem"):  # the workload wrote them
+        assert any(key.startswith(f"lorafleet:{kind}:") for key in new), (kind, sorted(new))
     unexplained = []
-    for key in sorted(_all_keys(redis) - before):
+    for key in sorted(new):
         if _kind(key, PERMANENT) or _kind(key, EMPTIED):
             continue
         # -1: no expiry (-2: it expired meanwhile, which is fine)
