@@ -115,6 +115,7 @@ class Prefetcher(Periodic):
         self._unused: set[str] = set()
         self._seen: set[str] = set()  # job ids waiting at the last pass
         self._joined: set[str] = set()  # digests a job waits for the prefetch's download of
+        self._credited: set[str] = set()  # ... and whose prefetch was counted used for it
         self._proven_key = engine_proven_key(engine_version)
         self._proven: set[str] = set()
         self._to_announce: list[str] = []
@@ -255,7 +256,7 @@ class Prefetcher(Periodic):
         except Exception as exc:  # Redis away: start cold rather than not at all
             log.warning("no warm-up: the pool's popularity could not be read (%s)", exc)
             return 0
-        started = []
+        started: list[concurrent.futures.Future[bool]] = []
         for alias, revision in popular:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self.stopping.is_set():
@@ -321,6 +322,7 @@ class Prefetcher(Periodic):
             with self._lock:
                 self._busy.discard(revision)
                 self._joined.discard(revision)
+                self._credited.discard(revision)
                 now = time.monotonic()
                 self._not_before = {d: t for d, t in self._not_before.items() if t > now}
             self._slots.release()
@@ -337,8 +339,9 @@ class Prefetcher(Periodic):
                 self._trigger[revision] = trigger
                 if revision in self._joined:  # a job took it as it arrived
                     self._joined.discard(revision)
+                    self._credited.add(revision)
                     metrics.PREFETCHES.labels(trigger, "used").inc()
-                else:
+                elif revision not in self._credited:  # (its engine step is that job's too)
                     self._unused.add(revision)
             elif revision in self._levels:
                 levels = self._levels[revision]

@@ -250,12 +250,16 @@ class EngineAdapters:
         downloaded. Over weeks of new revisions these maps would otherwise only grow. A digest
         asked for again gets a new id (the engine no longer holds the old one). How many were
         forgotten."""
+        with self._guard:
+            generation = self._generation
         try:
             held = self.registered(time.time() + timeout_s)
         except (JobFailure, EngineFailed):
             return 0
         forgotten = 0
         with self._guard:  # a job takes its hold before it asks for an id: checked under it
+            if self._generation != generation:
+                return 0  # the engine's set may have changed since it answered: next time
             for digest, lora_id in list(self._ids.items()):
                 if (
                     lora_id in held

@@ -222,6 +222,8 @@ class JobRunner:
         last_chance: bool,
     ) -> Generation:
         metrics.JOB_CPU.labels("start").inc(time.thread_time() - running.cpu_began)
+        if message.stream:
+            self._deltas.open(message.job_id, running.attempt)
         future = self._host.submit(
             self._generate_by_deadline(message, staged, timings, running, last_chance)
         )
@@ -239,11 +241,13 @@ class JobRunner:
         if message.stream:
             try:
                 self._deltas.flush(message.job_id, running.attempt, STREAM_FLUSH_S)
-                self._deltas.discard(message.job_id, running.attempt)  # all written
             except StreamFenced:
+                self._deltas.discard(message.job_id, running.attempt)
                 raise JobStopped(StopReason.LEASE_LOST) from None
             except TimeoutError as exc:
                 raise StoreUnreachable(str(exc)) from exc
+            finally:  # it publishes no more; text still pending is written all the same
+                self._deltas.finish(message.job_id, running.attempt)
         return generation
 
     @contextlib.asynccontextmanager

@@ -60,9 +60,11 @@ class DeltaPublisher:
         self._pending: dict[_Attempt, list[str]] = {}
         self._writing: set[_Attempt] = set()
         self._fenced: set[_Attempt] = set()
-        # UTF-8 bytes of each attempt's text known to be in its stream (where its next text
-        # starts): a batch sent again after a lost reply is appended from where it ended.
+        # UTF-8 bytes of each open attempt's text known to be in its stream (where its next
+        # text starts): a batch sent again after a lost reply is appended from where it ended.
+        # Only open attempts publish (``open``); ``finish`` and ``discard`` end them.
         self._written: dict[_Attempt, int] = {}
+        self._closing: set[_Attempt] = set()  # finished with text still to write
         self._writer = Background("stream-writer", self._run, join_timeout_s=5)
 
     def start(self) -> None:
@@ -74,11 +76,30 @@ class DeltaPublisher:
             self._cond.notify_all()
         self._writer.close()
 
-    def publish(self, job_id: str, attempt: int, text: str) -> None:
-        """Queue one delta of ``attempt`` (called on the engine loop: never blocks on Redis)."""
+    def open(self, job_id: str, attempt: int) -> None:
+        """``attempt`` will publish its text from the start (before it generates)."""
         with self._cond:
-            self._pending.setdefault((job_id, attempt), []).append(text)
-            self._written.setdefault((job_id, attempt), 0)
+            self._written[(job_id, attempt)] = 0
+            self._closing.discard((job_id, attempt))
+
+    def finish(self, job_id: str, attempt: int) -> None:
+        """``attempt`` publishes no more; what it published is still written."""
+        key = (job_id, attempt)
+        with self._cond:
+            if key in self._pending or key in self._writing:
+                self._closing.add(key)
+            else:
+                self._written.pop(key, None)
+
+    def publish(self, job_id: str, attempt: int, text: str) -> None:
+        """Queue one delta of ``attempt`` (called on the engine loop: never blocks on Redis).
+        Text of an attempt that is not open (discarded: the job was stopped, and its task on
+        the engine loop had one more delta on its way) is dropped."""
+        key = (job_id, attempt)
+        with self._cond:
+            if key not in self._written or key in self._closing:
+                return
+            self._pending.setdefault(key, []).append(text)
             self._cond.notify_all()
 
     def flush(self, job_id: str, attempt: int, timeout_s: float) -> None:
@@ -108,6 +129,7 @@ class DeltaPublisher:
             self._pending.pop((job_id, attempt), None)
             self._fenced.discard((job_id, attempt))
             self._written.pop((job_id, attempt), None)
+            self._closing.discard((job_id, attempt))
 
     def _run(self, stopping: threading.Event) -> None:
         while True:
@@ -140,6 +162,9 @@ class DeltaPublisher:
             with self._cond:
                 self._fenced |= refused
                 self._writing = set()
+                for key in [key for key in self._closing if key not in self._pending]:
+                    self._closing.discard(key)  # finished, and now all written (or refused)
+                    self._written.pop(key, None)
                 self._cond.notify_all()
 
     def _write(self, batch: dict[_Attempt, list[str]]) -> set[_Attempt]:

@@ -7,7 +7,9 @@ completions streamed and not, a batch from an uploaded file. Once it has ended (
 terminal, the webhook delivered), every key that appeared during it is checked: it has a
 TTL, or its name is one of the permanent kinds the README lists (registry, tenants, keys,
 grants, ...), or it is an index whose entries a named process removes; for those the test
-asserts that none of this workload's jobs or events is left in them.
+asserts that none of this workload's jobs (all eight: jobs API, completions, the batch's) or
+its webhook event is left in them, nor in a worker's held deliveries or kombu's unacked set.
+Keys that existed before it are not checked (other tests' keys share this Redis).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import httpx
 import openai
 from redis import Redis
 
-from contracts.keys import DEADLINES, WEBHOOKS_DUE, routed_key
+from contracts.keys import DEADLINES, WEBHOOKS_DUE, held_key, routed_key
 from contracts.registry import AdapterRecord
 from contracts.webhooks import job_event_id
 from tests.helpers import hot_alias, submit_job, wait_job
@@ -86,9 +88,12 @@ def test_every_key_a_workload_leaves_expires_is_permanent_or_is_emptied_by_a_nam
         assert api.delete(f"/v1/jobs/{cancelled}").status_code == 200
         job_ids.append(cancelled)
         text = client.completions.create(model=alias, prompt="keys", max_tokens=4)
-        streamed = client.completions.create(model=alias, prompt="keys", max_tokens=4, stream=True)
+        streamed = list(
+            client.completions.create(model=alias, prompt="keys", max_tokens=4, stream=True)
+        )
         assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
         assert text.choices[0].text
+        job_ids += [text.id.removeprefix("cmpl-"), streamed[0].id.removeprefix("cmpl-")]
         lines = [
             {
                 "custom_id": f"k{n}",
@@ -109,10 +114,17 @@ def test_every_key_a_workload_leaves_expires_is_permanent_or_is_emptied_by_a_nam
             time.sleep(0.2)
             batch = client.batches.retrieve(batch.id)
         assert batch.status == "completed", batch
+        assert batch.output_file_id is not None
+        output = client.files.content(batch.output_file_id).text.splitlines()
+        job_ids += [json.loads(line)["id"].removeprefix("batch_req_") for line in output]
+        assert len(job_ids) == 8
         for job_id in job_ids:
             assert wait_job(api, job_id)["status"] in ("succeeded", "cancelled")
         receiver.wait_for(job_event_id(job_ids[0]))
-        time.sleep(1.0)  # the delivery's own bookkeeping, after the receiver answered
+        deadline = time.monotonic() + 60  # the delivery's own bookkeeping, after the answer
+        while redis.zscore(WEBHOOKS_DUE, job_event_id(job_ids[0])) is not None:
+            assert time.monotonic() < deadline, "the delivered event stayed due"
+            time.sleep(0.1)
     new = _all_keys(redis) - before
     for kind in ("job", "stream", "webhook", "batch", "file", "idem"):  # the workload wrote them
         assert any(key.startswith(f"lorafleet:{kind}:") for key in new), (kind, sorted(new))
@@ -124,12 +136,14 @@ def test_every_key_a_workload_leaves_expires_is_permanent_or_is_emptied_by_a_nam
         if redis.ttl(key) == -1:
             unexplained.append(f"{key} ({redis.type(key)!r})")
     assert not unexplained, "keys that never expire and nothing removes:\n" + "\n".join(unexplained)
-    # The indexes hold nothing of this workload any more.
-    for job_id in job_ids:
-        assert redis.zscore(DEADLINES, job_id) is None
-        for key in redis.scan_iter("lorafleet:ledger:*"):
-            assert redis.zscore(key, job_id) is None, (key, job_id)
-    assert redis.zscore(WEBHOOKS_DUE, job_event_id(job_ids[0])) is None
-    for key in redis.scan_iter(routed_key("*")):
+    # The indexes hold nothing of this workload any more: every job id, in every index.
+    indexes = [DEADLINES, *redis.scan_iter("lorafleet:ledger:*")]
+    indexes += list(redis.scan_iter(routed_key("*")))
+    for key in indexes:
         for job_id in job_ids:
-            assert redis.zscore(key, job_id) is None
+            assert redis.zscore(key, job_id) is None, (key, job_id)
+    for key in redis.scan_iter(held_key("*")):
+        held = set(redis.hvals(key))  # type: ignore[arg-type]
+        assert not held & set(job_ids), (key, held & set(job_ids))
+    unacked = " ".join(str(v) for v in redis.hvals("unacked"))  # type: ignore[union-attr]
+    assert not [job_id for job_id in job_ids if job_id in unacked]

@@ -219,3 +219,24 @@ def test_what_is_kept_per_digest_is_forgotten_once_the_adapter_left_every_level(
     assert again not in ids.values()  # a new id: the old one may never name another adapter
     assert adapters.prune(timeout_s=5) == 2  # the held one, let go; and the new id, unused
     assert set(adapters._ids) == {in_engine, on_disk}
+
+
+def test_nothing_is_forgotten_on_an_answer_the_engine_gave_before_a_load() -> None:
+    """The engine's set changed while it answered (a load began or ended): the answer may
+    lack an adapter it holds now, so this round forgets nothing."""
+    host, cache = LoopHost(), UseCache()
+    adapters = EngineAdapters(host, cache, max_loras=2, max_cpu_loras=4)  # type: ignore[arg-type]
+    gone = "sha256:" + "5" * 64
+    adapters.request_for("a", gone)
+    asked = adapters.registered
+
+    def answered_then_changed(deadline_at: float | None = None) -> set[int]:
+        answer = asked(deadline_at)
+        adapters.changing()  # e.g. a prefetch's add_lora of that very adapter
+        return answer
+
+    adapters.registered = answered_then_changed  # type: ignore[method-assign]
+    assert adapters.prune(timeout_s=5) == 0
+    assert gone in adapters._ids
+    adapters.registered = asked  # type: ignore[method-assign]
+    assert adapters.prune(timeout_s=5) == 1

@@ -155,6 +155,8 @@ def test_a_job_that_joins_a_prefetchs_download_uses_it() -> None:
     prefetcher._busy.add(DIGEST)  # downloading
     assert not prefetcher.found(DIGEST, "remote")  # it found it remote, and waits for it
     prefetcher._reached(DIGEST, "disk", LOOKAHEAD)
+    prefetcher._mark(DIGEST, "cpu", LOOKAHEAD, True)  # the engine step, decided ...
+    prefetcher._mark(DIGEST, "cpu", LOOKAHEAD, False)  # ... and the job's load got there first
     prefetcher._evicted(DIGEST)
     assert _wasted() == before
     after = REGISTRY.get_sample_value(

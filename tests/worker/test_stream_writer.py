@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -34,14 +35,71 @@ def test_a_batch_whose_reply_was_lost_is_not_written_twice(redis: Redis, monkeyp
     publisher._append = reply_lost_once  # type: ignore[method-assign]
     publisher.start()
     try:
+        publisher.open(job.id, running.attempts)
         publisher.publish(job.id, running.attempts, "Hél")
         publisher.flush(job.id, running.attempts, timeout_s=10)
         publisher.publish(job.id, running.attempts, " wörld")
         publisher.flush(job.id, running.attempts, timeout_s=10)
-        publisher.discard(job.id, running.attempts)  # it publishes no more
+        publisher.finish(job.id, running.attempts)  # it publishes no more
     finally:
         publisher.close()
     texts = [fields["text"] for _, fields in redis.xrange(stream_key(job.id))]  # type: ignore[union-attr]
     assert calls >= 3
     assert "".join(texts) == "Héllo wörld", texts
     assert not publisher._written  # nothing kept about a finished attempt
+
+
+def test_text_published_after_the_attempt_was_discarded_is_dropped(redis: Redis) -> None:
+    """A stopped job's task on the engine loop can hand over one more delta after the job
+    thread discarded the attempt: it must not be written (at offset 0 it would have been cut
+    against the text already in the stream), and nothing is kept about the attempt."""
+    job = _queued(redis)
+    _, running = _claim(redis, job, "w1:1:a")
+    publisher = DeltaPublisher(redis, "w1:1:a", TTL_S)
+    publisher.start()
+    try:
+        publisher.open(job.id, running.attempts)
+        publisher.publish(job.id, running.attempts, "Hi")
+        publisher.flush(job.id, running.attempts, timeout_s=10)
+        publisher.discard(job.id, running.attempts)  # the job was stopped
+        publisher.publish(job.id, running.attempts, " there")  # late, from the engine loop
+        publisher.flush(job.id, running.attempts, timeout_s=10)
+    finally:
+        publisher.close()
+    texts = [fields["text"] for _, fields in redis.xrange(stream_key(job.id))]  # type: ignore[union-attr]
+    assert texts == ["Hi"]
+    assert not publisher._written and not publisher._pending
+
+
+def test_an_attempt_finished_with_text_still_pending_is_written_then_forgotten(
+    redis: Redis, monkeypatch: Any
+) -> None:
+    """Redis did not take the text before the flush gave up: the attempt is finished, its
+    text is still written once Redis answers, and then nothing is kept about it."""
+    monkeypatch.setattr(streams, "RETRY_S", 0.01)
+    job = _queued(redis)
+    _, running = _claim(redis, job, "w1:1:a")
+    publisher = DeltaPublisher(redis, "w1:1:a", TTL_S)
+    real = publisher._append
+    outage = True
+
+    def down_until_told(keys: list[str], args: list[Any]) -> Any:
+        if outage:
+            raise RedisConnectionError("Connection refused.")
+        return real(keys=keys, args=args)
+
+    publisher._append = down_until_told  # type: ignore[method-assign]
+    publisher.start()
+    try:
+        publisher.open(job.id, running.attempts)
+        publisher.publish(job.id, running.attempts, "late but whole")
+        with pytest.raises(TimeoutError):
+            publisher.flush(job.id, running.attempts, timeout_s=0.2)
+        publisher.finish(job.id, running.attempts)
+        outage = False
+        publisher.flush(job.id, running.attempts, timeout_s=10)
+    finally:
+        publisher.close()
+    texts = [fields["text"] for _, fields in redis.xrange(stream_key(job.id))]  # type: ignore[union-attr]
+    assert texts == ["late but whole"]
+    assert not publisher._written and not publisher._closing
