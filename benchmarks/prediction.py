@@ -217,6 +217,7 @@ def summarise(
     for column in ("popular p50/p95", "tail p50/p95/p99", "S3 fetches/min"):
         table.add_column(column)
     table.add_column("prefetches started/used/wasted")
+    table.add_column("worker start s")
     loaded = [(arm, *load(out)) for arm, out in runs]
     summary: dict[str, object] = {}
     for arm in dict.fromkeys(arm for arm, _ in runs):
@@ -224,6 +225,7 @@ def summarise(
             for trial in [*trials, "both"] if len(trials) > 1 else trials:
                 groups: dict[tuple[int, str, float], list[RequestRecord]] = {}
                 prefetches: Counter[str] = Counter()
+                starts: list[float] = []
                 for index, (name, results, requests) in enumerate(loaded):
                     if name != arm:
                         continue
@@ -231,8 +233,17 @@ def summarise(
                         if r.profile == profile and trial in (r.trial, "both"):
                             groups.setdefault((index, r.trial, r.offered_rate), []).append(r)
                     prefetches.update(_prefetches(results, profile, trial))
+                    starts += [
+                        t.worker_start_s
+                        for cell in results.cells
+                        for t in cell.trials
+                        if t.profile == profile
+                        and trial in (t.trial, "both")
+                        and t.worker_start_s is not None
+                    ]
                 row = _row(list(groups.values()))
                 row["prefetches"] = dict(prefetches)
+                row["worker_start_s"] = starts
                 summary[f"{arm}/{profile}/{trial}"] = row
                 table.add_row(
                     arm,
@@ -245,6 +256,7 @@ def summarise(
                     "/".join(_ms(v) for v in row["tail"]) + f" ({row['tail_n']})",  # type: ignore[attr-defined]
                     _ms(row["fetches_per_min"], 1),  # type: ignore[arg-type]
                     "/".join(f"{prefetches[o]:.0f}" for o in ("started", "used", "wasted")),
+                    _ms(_nearest(starts, 50), 1),
                 )
     console.print(table)
     return summary

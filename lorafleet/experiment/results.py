@@ -126,6 +126,11 @@ class TrialResult(BaseModel):
     queue_depth: list[Sample] = Field(default_factory=list)
     worker_rss_mb: list[Sample] = Field(default_factory=list)
     gpu_memory_mb: list[Sample] | None = Field(default=None, description="None: no GPU")
+    worker_start_s: float | None = Field(
+        default=None,
+        description="reset trials: how long the worker's start before the trial took, until "
+        "it announced itself (a popularity warm-up included)",
+    )
     prefetches: dict[str, float] = Field(
         default_factory=dict,
         description="the worker's adapter prefetches during the trial by outcome (started, "

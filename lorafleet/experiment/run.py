@@ -197,6 +197,7 @@ class Experiment:
             for rate in m.offered_rates:
                 for profile in m.traffic_profiles:
                     for repetition in range(m.repetitions):
+                        startup = None
                         if trial == "reset" and reset is not None:
                             startup = reset(cell)
                             if startup.outcome != "started":
@@ -206,9 +207,10 @@ class Experiment:
                         elif trial == "warmed" and (problem := asyncio.run(self.warm())):
                             cell.stopped = problem
                             return
-                        cell.trials.append(
-                            self.run_trial(cell.id, trial, rate, profile, repetition, probes)
-                        )
+                        result = self.run_trial(cell.id, trial, rate, profile, repetition, probes)
+                        if startup is not None:
+                            result.worker_start_s = startup.seconds
+                        cell.trials.append(result)
                         if (gone := died()) is not None:
                             cell.stopped = f"the worker exited during the trial: {gone}"
                             return

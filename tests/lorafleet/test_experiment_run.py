@@ -177,6 +177,7 @@ def test_reset_trials_start_cold_and_the_reversal_moves_the_popular_adapter(
     # the worker's prefetch counters were read in every trial (the default look-ahead finds
     # nothing to do with a worker that takes every job at once: counts, not their values)
     for trial in started.trials:
+        assert (trial.worker_start_s is not None) == (trial.trial == "reset"), trial
         assert set(trial.prefetches) == set(PREFETCH_OUTCOMES), trial.prefetches
         assert all(value >= 0 for value in trial.prefetches.values())
 
