@@ -76,7 +76,7 @@ class Valkey:
     def __init__(self, scratch: Path, fsync: str) -> None:
         self.port = free_port()
         self.dir = scratch / f"valkey-{fsync}"
-        self.dir.mkdir()
+        self.dir.mkdir(parents=True)
         self.fsync = fsync
         self.process: subprocess.Popen[bytes] | None = None
         self.url = f"redis://127.0.0.1:{self.port}/0"

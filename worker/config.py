@@ -95,11 +95,12 @@ class WorkerSettings(ServiceSettings):
         "worker takes jobs; `off` fetches on demand.",
     )
     popularity_prefetch: int = Field(
-        default=4,
+        default=16,
         ge=1,
         le=1000,
         description="With `LORAFLEET_PREDICTION=popularity`: how many of the pool's most "
-        "asked-for adapters a worker prefetches.",
+        "asked-for adapters a worker keeps prefetched (into free room only: it never evicts "
+        "for them), and warms up at start.",
     )
     popularity_check_s: float = Field(
         default=5.0, gt=0, description="How often the pool's popularity is read (one round trip)."
