@@ -224,9 +224,13 @@ class JobRunner:
         metrics.JOB_CPU.labels("start").inc(time.thread_time() - running.cpu_began)
         if message.stream:
             self._deltas.open(message.job_id, running.attempt)
-        future = self._host.submit(
-            self._generate_by_deadline(message, staged, timings, running, last_chance)
-        )
+        try:
+            future = self._host.submit(
+                self._generate_by_deadline(message, staged, timings, running, last_chance)
+            )
+        except BaseException:
+            self._deltas.discard(message.job_id, running.attempt)
+            raise
         with running.generating(future):
             try:
                 generation = self._host.result(future)

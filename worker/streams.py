@@ -165,6 +165,7 @@ class DeltaPublisher:
                 for key in [key for key in self._closing if key not in self._pending]:
                     self._closing.discard(key)  # finished, and now all written (or refused)
                     self._written.pop(key, None)
+                    self._fenced.discard(key)  # nobody flushes a finished attempt again
                 self._cond.notify_all()
 
     def _write(self, batch: dict[_Attempt, list[str]]) -> set[_Attempt]:

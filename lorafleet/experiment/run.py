@@ -541,6 +541,7 @@ class _CellWorker:
         }
         self.child: Child | None = None
         self.trials_at_start = 0
+        self._counts: list[_PrefetchCounts] = []  # the probes' readers, closed at stop
 
     def start(self, trials_so_far: int = 0) -> Startup:
         """The reset procedure: stop the worker (its engine and CPU cache go with it), delete
@@ -575,6 +576,8 @@ class _CellWorker:
         return self.start(len(cell.trials))
 
     def stop(self) -> None:
+        for counts in self._counts:
+            counts.close()
         if self.child is not None:
             self.stack.stop_child(self.child)
             if self.child.alive():  # never two workers on one cache
@@ -591,13 +594,13 @@ class _CellWorker:
         from contracts.metrics import PREFETCH_OUTCOMES
 
         counts = _PrefetchCounts(self.stack, lambda: self.child)
+        self._counts.append(counts)
         for outcome in PREFETCH_OUTCOMES:
             probes[PREFETCH_PROBE + outcome] = counts.probe(outcome)
         return probes
 
 
-_PREFETCH_SAMPLE = re.compile(r"^lorafleet_adapter_prefetches_total\{([^}]*)\} (\S+)$", re.M)
-_OUTCOME = re.compile(r'outcome="([^"]*)"')
+_OUTCOME = re.compile(r'(?:^|,)outcome="([^"]*)"')
 
 
 class _PrefetchCounts:
@@ -614,6 +617,14 @@ class _PrefetchCounts:
         self._read_at = 0.0
         self._counts: dict[str, float] = {}
         self._http: httpx.Client | None = None
+        from contracts.metrics import ADAPTER_PREFETCHES
+
+        self._samples = re.compile(rf"^{re.escape(ADAPTER_PREFETCHES)}\{{([^}}]*)\}} (\S+)$", re.M)
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
 
     def _metrics_port(self, pid: int) -> int | None:
         from contracts.keys import WORKERS_INDEX, worker_key
@@ -640,7 +651,7 @@ class _PrefetchCounts:
             self._http = httpx.Client(timeout=2.0)
         text = self._http.get(f"http://127.0.0.1:{port}/metrics").text
         counts = dict.fromkeys(PREFETCH_OUTCOMES, 0.0)
-        for labels, value in _PREFETCH_SAMPLE.findall(text):
+        for labels, value in self._samples.findall(text):
             if outcome := _OUTCOME.search(labels):
                 counts[outcome[1]] = counts.get(outcome[1], 0.0) + float(value)
         return counts
