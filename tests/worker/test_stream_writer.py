@@ -3,22 +3,35 @@ through: a script call that ran but whose reply never came back."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from contracts.keys import stream_key
+from contracts.jobs import JobPublic
+from contracts.keys import DEADLINES, stream_key
 from tests.contracts.test_leases import TTL_S, _claim, _queued
 from worker import streams
 from worker.streams import DeltaPublisher
 
 
-def test_a_batch_whose_reply_was_lost_is_not_written_twice(redis: Redis, monkeypatch: Any) -> None:
-    monkeypatch.setattr(streams, "RETRY_S", 0.01)
+def _running(redis: Redis, request: pytest.FixtureRequest) -> tuple[JobPublic, JobPublic]:
+    """A job claimed by ``w1:1:a``, due in an hour: the session's deadline sweeper (running
+    once the stack has started) leaves it alone, and it leaves the index after the test."""
     job = _queued(redis)
+    redis.zadd(DEADLINES, {job.id: time.time() + 3600})
+    request.addfinalizer(lambda: redis.zrem(DEADLINES, job.id))
     _, running = _claim(redis, job, "w1:1:a")
+    return job, running
+
+
+def test_a_batch_whose_reply_was_lost_is_not_written_twice(
+    redis: Redis, monkeypatch: Any, request: pytest.FixtureRequest
+) -> None:
+    monkeypatch.setattr(streams, "RETRY_S", 0.01)
+    job, running = _running(redis, request)
     publisher = DeltaPublisher(redis, "w1:1:a", TTL_S)
     real = publisher._append
     calls = 0
@@ -49,12 +62,13 @@ def test_a_batch_whose_reply_was_lost_is_not_written_twice(redis: Redis, monkeyp
     assert not publisher._written  # nothing kept about a finished attempt
 
 
-def test_text_published_after_the_attempt_was_discarded_is_dropped(redis: Redis) -> None:
+def test_text_published_after_the_attempt_was_discarded_is_dropped(
+    redis: Redis, request: pytest.FixtureRequest
+) -> None:
     """A stopped job's task on the engine loop can hand over one more delta after the job
     thread discarded the attempt: it must not be written (at offset 0 it would have been cut
     against the text already in the stream), and nothing is kept about the attempt."""
-    job = _queued(redis)
-    _, running = _claim(redis, job, "w1:1:a")
+    job, running = _running(redis, request)
     publisher = DeltaPublisher(redis, "w1:1:a", TTL_S)
     publisher.start()
     try:
@@ -72,13 +86,12 @@ def test_text_published_after_the_attempt_was_discarded_is_dropped(redis: Redis)
 
 
 def test_an_attempt_finished_with_text_still_pending_is_written_then_forgotten(
-    redis: Redis, monkeypatch: Any
+    redis: Redis, monkeypatch: Any, request: pytest.FixtureRequest
 ) -> None:
     """Redis did not take the text before the flush gave up: the attempt is finished, its
     text is still written once Redis answers, and then nothing is kept about it."""
     monkeypatch.setattr(streams, "RETRY_S", 0.01)
-    job = _queued(redis)
-    _, running = _claim(redis, job, "w1:1:a")
+    job, running = _running(redis, request)
     publisher = DeltaPublisher(redis, "w1:1:a", TTL_S)
     real = publisher._append
     outage = True
@@ -97,7 +110,10 @@ def test_an_attempt_finished_with_text_still_pending_is_written_then_forgotten(
             publisher.flush(job.id, running.attempts, timeout_s=0.2)
         publisher.finish(job.id, running.attempts)
         outage = False
-        publisher.flush(job.id, running.attempts, timeout_s=10)
+        deadline = time.monotonic() + 10  # nobody flushes a finished attempt: wait for it
+        while publisher._written:
+            assert time.monotonic() < deadline, "the finished attempt's text was never written"
+            time.sleep(0.01)
     finally:
         publisher.close()
     texts = [fields["text"] for _, fields in redis.xrange(stream_key(job.id))]  # type: ignore[union-attr]
