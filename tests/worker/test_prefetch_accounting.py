@@ -27,10 +27,11 @@ def _raw(job_id: str) -> str:
 
 
 class Redis:
-    """``pipeline().lrange(...).execute()``: the worker's own queue (empty) and a shared
-    queue's messages."""
+    """``pipeline().lrange(...).execute()``: the messages of the worker's own queue
+    (``own``) and of a shared queue (``queue``)."""
 
     def __init__(self) -> None:
+        self.own: list[str] = []
         self.queue: list[str] = []
 
     def pipeline(self, transaction: bool = False) -> Redis:
@@ -40,7 +41,7 @@ class Redis:
         pass
 
     def execute(self) -> list[list[str]]:
-        return [[], list(self.queue)]
+        return [list(self.own), list(self.queue)]
 
 
 class Cache:
@@ -120,24 +121,8 @@ def test_a_job_in_the_workers_own_queue_is_waiting_at_first_sight() -> None:
     """Routing put it there: no other worker takes it, so its adapter is fetched at once; a
     shared queue's job only once it is still there at the next pass."""
 
-    class TwoQueues(Redis):
-        def __init__(self) -> None:
-            super().__init__()
-            self.own: list[str] = []
-
-        def execute(self) -> list[list[str]]:
-            return [list(self.own), list(self.queue)]
-
-    redis, cache = TwoQueues(), Cache()
-    prefetcher = Prefetcher(
-        redis,  # type: ignore[arg-type]
-        Adapters(),  # type: ignore[arg-type]
-        cache,  # type: ignore[arg-type]
-        BASE,
-        ["own", "shared"],
-        lookahead_jobs=16,
-        interval_s=60.0,
-    )
+    redis = Redis()
+    prefetcher = _prefetcher(redis, Cache())
     redis.own, redis.queue = [_raw("routed-here")], [_raw("in-the-pool")]
     prefetcher._lookahead()
     assert prefetcher.counted_ahead("routed-here")
