@@ -378,6 +378,7 @@ async def main_async(args: argparse.Namespace) -> None:
         "LORAFLEET_TENANT_RATE_PER_S": "100000",
         "LORAFLEET_TENANT_BURST": "100000",
         "LORAFLEET_JOB_TTL_S": "120",
+        "LORAFLEET_JOB_DEADLINE_S": "60",  # the record must outlive the job (settings refuse)
         "LORAFLEET_METRICS_PUBLIC": "true",
     }
     try:

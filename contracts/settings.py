@@ -5,7 +5,7 @@ against: one setting, not two copies that can drift)."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -55,6 +55,18 @@ class ServiceSettings(BaseSettings):
         description="How long past its deadline an unfinished job is left to its worker before "
         "the sweeper fails it `deadline_exceeded`.",
     )
+
+    @model_validator(mode="after")
+    def _records_outlive_jobs(self) -> ServiceSettings:
+        # A job's record is written with this TTL at admission: a record that expired before
+        # its job ended would turn an accepted job into a 404, its ledger entries orphaned.
+        floor = self.job_deadline_s + self.sweep_grace_s + self.sweep_interval_s
+        if self.job_ttl_s <= floor:
+            raise ValueError(
+                "job_ttl_s must exceed job_deadline_s + sweep_grace_s + sweep_interval_s "
+                f"= {floor:g} s (an unfinished job's record must outlive it)"
+            )
+        return self
 
     @property
     def effective_broker_url(self) -> str:

@@ -29,6 +29,9 @@ def test_settings_come_from_the_environment_as_strings(monkeypatch: pytest.Monke
             "= 82 s",
         ),
         ({"LORAFLEET_MAX_ATTEMPTS": "0"}, "max_attempts"),
+        # A job's record expires job_ttl_s after admission unless written again: it must
+        # outlive the job (600 s deadline + 10 s sweep grace + 5 s sweep interval = 615 s).
+        ({"LORAFLEET_JOB_TTL_S": "615"}, "job_ttl_s must exceed"),
     ],
 )
 def test_unsafe_settings_are_refused_at_start(
