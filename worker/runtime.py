@@ -49,7 +49,7 @@ from worker.registry import preload_sets, record_pools
 from worker.residency import EngineAdapters
 from worker.runner import JobRunner
 from worker.script_batch import ScriptBatch, script_client
-from worker.streams import DeltaPublisher
+from worker.streams import STREAM_TTL_S, DeltaPublisher
 from worker.sweeper import DeadlineSweeper
 from worker.watchdog import EngineWatch
 
@@ -155,7 +155,11 @@ class WorkerRuntime:
                 engine_version=ENGINE_VERSION,
             )
         self.deltas = DeltaPublisher(
-            self.redis, self.worker_id, settings.lease_ttl_s, self.jobs.note_outage
+            self.redis,
+            self.worker_id,
+            settings.lease_ttl_s,
+            self.jobs.note_outage,
+            stream_ttl_s=min(STREAM_TTL_S, settings.job_ttl_s),
         )
         self.runner = JobRunner(
             self.host,

@@ -6,8 +6,9 @@ crash and redelivery the new execution streams from the start again, and the rea
 gateway) skips what it already sent. Entries also carry where their text starts in the
 execution's text (``off``, UTF-8 bytes): a call that ran but whose reply was lost is sent again
 (with what was published since), and the script appends only what the stream lacks, so no
-text is ever written twice. The stream expires ``STREAM_TTL_S`` after its last entry; the job
-record keeps the full result regardless.
+text is ever written twice. The stream expires ``STREAM_TTL_S`` after its last entry (or
+``job_ttl_s``, if shorter: a stream is never kept longer than its job's record); the job record
+keeps the full result regardless.
 
 The engine loop hands each delta over without waiting (``publish``); one writer thread
 appends whatever accumulated, per job coalesced into one entry, for every job in one script
@@ -50,10 +51,12 @@ class DeltaPublisher:
         worker_id: str,
         lease_ttl_s: float,
         on_outage: Callable[[], None] = lambda: None,
+        stream_ttl_s: int = STREAM_TTL_S,
     ) -> None:
         self._redis = redis
         self._worker_id = worker_id
         self._lease_ttl_s = lease_ttl_s
+        self._stream_ttl_s = stream_ttl_s
         self._on_outage = on_outage
         self._append = redis.register_script(APPEND_DELTAS)
         self._cond = threading.Condition()
@@ -177,7 +180,7 @@ class DeltaPublisher:
             (job_id, lease_value(self._worker_id, attempt), offset, text)
             for (job_id, attempt), offset, text in zip(order, offsets, texts, strict=True)
         ]
-        keys, args = append_call(deltas, STREAM_TTL_S, self._lease_ttl_s)
+        keys, args = append_call(deltas, self._stream_ttl_s, self._lease_ttl_s)
         refused = {
             order[int(position) - 1] for position in self._append(keys=keys, args=args) or ()
         }
