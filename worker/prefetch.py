@@ -28,6 +28,7 @@ import json
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from redis import Redis
@@ -43,6 +44,10 @@ from worker.errors import JobFailure
 from worker.residency import EngineAdapters
 
 log = logging.getLogger(__name__)
+
+PROVEN_KEPT = 4096
+"""Digests proven on this engine version kept in memory (the most recently used); a worker
+that meets more adapters over its life asks the fleet's set in Redis for the others."""
 
 LOOKAHEAD = "lookahead"
 POPULARITY = "popularity"
@@ -117,7 +122,7 @@ class Prefetcher(Periodic):
         self._joined: set[str] = set()  # digests a job waits for the prefetch's download of
         self._credited: set[str] = set()  # ... and whose prefetch was counted used for it
         self._proven_key = engine_proven_key(engine_version)
-        self._proven: set[str] = set()
+        self._proven: OrderedDict[str, None] = OrderedDict()  # recently used last
         self._to_announce: list[str] = []
         adapters.on_proven = self.proven
         # Job id -> when: waiting jobs whose request the disk cache's rate counts already.
@@ -216,8 +221,16 @@ class Prefetcher(Periodic):
         """The engine loaded ``digest`` and survived (on the engine loop: no blocking)."""
         with self._lock:
             if digest not in self._proven:
-                self._proven.add(digest)
                 self._to_announce.append(digest)
+            self._keep_proven(digest)
+
+    def _keep_proven(self, digest: str) -> None:
+        """Remember ``digest`` as proven (under the lock), forgetting the least recently used
+        past ``PROVEN_KEPT``: Redis's set answers for those."""
+        self._proven[digest] = None
+        self._proven.move_to_end(digest)
+        while len(self._proven) > PROVEN_KEPT:
+            self._proven.popitem(last=False)
 
     def _write_proven(self) -> None:
         with self._lock:
@@ -236,10 +249,11 @@ class Prefetcher(Periodic):
     def _is_proven(self, digest: str) -> bool:
         with self._lock:
             if digest in self._proven:
+                self._proven.move_to_end(digest)
                 return True
         if self._redis.sismember(self._proven_key, digest):
             with self._lock:
-                self._proven.add(digest)
+                self._keep_proven(digest)
             return True
         return False
 

@@ -10,7 +10,7 @@ from typing import Any
 from prometheus_client import REGISTRY
 
 from contracts.task_messages import task_message
-from worker.prefetch import LOOKAHEAD, Prefetcher
+from worker.prefetch import LOOKAHEAD, PROVEN_KEPT, Prefetcher
 
 BASE = "sha256:" + "b" * 64
 DIGEST = "sha256:" + "d" * 64
@@ -148,3 +148,29 @@ def test_a_job_that_joins_a_prefetchs_download_uses_it() -> None:
         "lorafleet_adapter_prefetches_total", {"trigger": LOOKAHEAD, "outcome": "used"}
     )
     assert (after or 0.0) == (used or 0.0) + 1
+
+
+class ProvenRedis(Redis):
+    """Also the fleet's set of digests proven on this engine version (``SISMEMBER``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proven: set[str] = set()
+        self.asked = 0
+
+    def sismember(self, key: str, member: str) -> bool:
+        self.asked += 1
+        return member in self.proven
+
+
+def test_the_proven_digests_kept_in_memory_are_bounded_and_the_rest_are_asked_of_redis() -> None:
+    redis = ProvenRedis()
+    prefetcher = _prefetcher(redis, Cache())
+    digests = [f"sha256:{i:064x}" for i in range(PROVEN_KEPT + 50)]
+    for digest in digests:
+        prefetcher.proven(digest)
+    redis.proven.update(digests)  # as the announcements wrote them
+    assert len(prefetcher._proven) == PROVEN_KEPT
+    assert prefetcher._is_proven(digests[-1]) and redis.asked == 0  # recent: from memory
+    assert prefetcher._is_proven(digests[0]) and redis.asked == 1  # forgotten: Redis knows
+    assert not prefetcher._is_proven("sha256:" + "e" * 64)
