@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -100,6 +101,7 @@ class LocalStack:
         # Append-only file on, as in production: the server can restart without losing jobs.
         self.persistent_redis = persistent_redis
         self._redis_port = 0
+        self._gateway_port = 0
         self.redis_url = settings.redis_url or ""
         self.s3_endpoint_url = settings.s3_endpoint_url or ""
         self.gateway_url = ""
@@ -161,13 +163,18 @@ class LocalStack:
         self.redis_url = f"redis://127.0.0.1:{self._redis_port}/0"
         wait_until(lambda: bool(self.redis().ping()), 30, "redis", [child])
 
-    def restart_redis(self, down_s: float = 0.0) -> None:
-        """Stop this stack's Redis server (a clean shutdown), leave it down for ``down_s``,
-        and start it again on its port."""
+    def restart_redis(self, down_s: float = 0.0, kill: bool = False) -> None:
+        """Stop this stack's Redis server (a clean shutdown, or SIGKILL with ``kill``: what a
+        crash or an OOM kill does), leave it down for ``down_s``, and start it again on its
+        port and files."""
         if not self._redis_port:
             raise RuntimeError("this stack does not run its own Redis")
         server = next(child for child in self.children if child.name == "redis")
-        server.stop(timeout_s=30)
+        if kill:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.process.wait(timeout=30)
+        else:
+            server.stop(timeout_s=30)
         self.children.remove(server)
         time.sleep(down_s)
         self._start_valkey()
@@ -244,21 +251,24 @@ class LocalStack:
     def start_services(self, extra_env: dict[str, str] | None = None) -> None:
         """The gateway, one worker and one webhook worker, as the Procfile says; waits until
         the gateway and the worker serve."""
-        web = self._spawn_gateway(extra_env)
+        web = self.spawn_gateway(extra_env)
         worker = self.spawn_worker(extra_env)
-        self._spawn_webhooks(extra_env)
-        wait_until(self._gateway_ready, self.settings.startup_timeout_s, "the gateway", [web])
+        self.spawn_webhooks(extra_env)
+        wait_until(self.gateway_ready, self.settings.startup_timeout_s, "the gateway", [web])
         self.wait_worker(worker)
 
     def start_gateway(self, extra_env: dict[str, str] | None = None) -> None:
         """The gateway and the webhook worker, without a job worker; waits for the gateway."""
-        web = self._spawn_gateway(extra_env)
-        self._spawn_webhooks(extra_env)
-        wait_until(self._gateway_ready, self.settings.startup_timeout_s, "the gateway", [web])
+        web = self.spawn_gateway(extra_env)
+        self.spawn_webhooks(extra_env)
+        wait_until(self.gateway_ready, self.settings.startup_timeout_s, "the gateway", [web])
 
-    def _spawn_gateway(self, extra_env: dict[str, str] | None) -> Child:
+    def spawn_gateway(self, extra_env: dict[str, str] | None = None) -> Child:
+        """Start the gateway (the Procfile command) without waiting for it; on the port it
+        had before, if it ran already (a restart)."""
         env = {**self.service_env(), **(extra_env or {})}
-        port = self.settings.gateway_port or free_port()
+        port = self.settings.gateway_port or self._gateway_port or free_port()
+        self._gateway_port = port
         env["PORT"] = str(port)
         env["LORAFLEET_GATEWAY_HOST"] = "127.0.0.1"
         web = self._spawn("gateway", ["sh", "-c", "exec " + procfile_commands()["web"]], env)
@@ -266,7 +276,7 @@ class LocalStack:
         self._write_state()  # `stack down` stops exactly what stack.json lists
         return web
 
-    def _spawn_webhooks(self, extra_env: dict[str, str] | None) -> Child:
+    def spawn_webhooks(self, extra_env: dict[str, str] | None = None) -> Child:
         env = {**self.service_env(), **(extra_env or {})}
         argv = ["sh", "-c", "exec " + procfile_commands()["webhooks"]]
         webhooks = self._spawn("webhooks", argv, env)
@@ -323,7 +333,7 @@ class LocalStack:
                 return str(member)
         return None
 
-    def _gateway_ready(self) -> bool:
+    def gateway_ready(self) -> bool:
         return httpx.get(f"{self.gateway_url}/readyz", timeout=2).status_code == 200
 
     # -- lifecycle ------------------------------------------------------------------------

@@ -45,9 +45,12 @@ STACK_ENV = {
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that pause the worker's consumption run late, those that end it last."""
+    """Tests that pause the worker's consumption run late, those that end it after them,
+    the soak (a stack of its own, processes killed) last."""
 
     def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("soak"):
+            return 3
         if item.get_closest_marker("ends_worker"):
             return 2
         return 1 if item.get_closest_marker("pauses_consumer") else 0
@@ -56,7 +59,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "ends_worker: stops the session's worker; runs last")
+    config.addinivalue_line("markers", "ends_worker: stops the session's worker; runs late")
+    config.addinivalue_line("markers", "soak: minutes of load and faults on its own stack; last")
     # A pause (cancel_consumer/add_consumer) is worker-wide state: run such tests after the
     # others so it cannot change how their jobs are consumed.
     config.addinivalue_line("markers", "pauses_consumer: pauses a queue; runs late")
