@@ -4,6 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from worker.config import WorkerSettings
+from worker.webhooks.config import WebhookSettings
 
 
 def test_settings_come_from_the_environment_as_strings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,3 +62,19 @@ def test_the_deadline_a_visibility_timeout_covers_is_checked_per_job() -> None:
     assert settings.covers(settings.job_deadline_s)
     assert settings.covers(848) and not settings.covers(848.5)
     assert not settings.covers(3600)
+
+
+def test_a_webhook_retry_window_the_event_would_not_outlive_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An event's payload is its job's record, kept job_ttl_s: a retry after that finds
+    # nothing to send and the event ends dead, inside its window.
+    monkeypatch.setenv("LORAFLEET_JOB_TTL_S", "3600")
+    monkeypatch.setenv("LORAFLEET_WEBHOOK_RETRY_WINDOW_S", "3600")
+    with pytest.raises(ValidationError) as caught:
+        WebhookSettings()
+    assert "webhook_retry_window_s must be shorter than job_ttl_s" in str(caught.value)
+    monkeypatch.delenv("LORAFLEET_JOB_TTL_S")
+    monkeypatch.delenv("LORAFLEET_WEBHOOK_RETRY_WINDOW_S")
+    defaults = WebhookSettings()
+    assert defaults.webhook_retry_window_s < defaults.job_ttl_s

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from contracts.settings import ServiceSettings
 
@@ -25,9 +25,10 @@ class WebhookSettings(ServiceSettings):
         default=3600.0, gt=0, description="Longest delay between two attempts."
     )
     webhook_retry_window_s: float = Field(
-        default=24 * 3600.0,
+        default=23 * 3600.0,
         gt=0,
-        description="Past this long after the event, a failing delivery is marked dead.",
+        description="Past this long after the event, a failing delivery is marked dead; "
+        "shorter than `job_ttl_s` (the payload is the job's record, kept that long).",
     )
     webhook_allow_http: bool = Field(
         default=False, description="Allow http:// callback URLs (local development only)."
@@ -38,6 +39,16 @@ class WebhookSettings(ServiceSettings):
     webhook_poll_s: float = Field(
         default=0.5, gt=0, description="How often the dispatcher looks for due deliveries."
     )
+
+    @model_validator(mode="after")
+    def _window_within_retention(self) -> WebhookSettings:
+        if self.webhook_retry_window_s >= self.job_ttl_s:
+            raise ValueError(
+                "webhook_retry_window_s must be shorter than job_ttl_s "
+                f"({self.job_ttl_s} s): a retry after the job's record expired has nothing to "
+                "send, and its event would end dead inside its window"
+            )
+        return self
 
     @property
     def lease_s(self) -> float:
