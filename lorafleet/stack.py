@@ -101,7 +101,6 @@ class LocalStack:
         # Append-only file on, as in production: the server can restart without losing jobs.
         self.persistent_redis = persistent_redis
         self._redis_port = 0
-        self._gateway_port = 0
         self.redis_url = settings.redis_url or ""
         self.s3_endpoint_url = settings.s3_endpoint_url or ""
         self.gateway_url = ""
@@ -263,12 +262,13 @@ class LocalStack:
         self.spawn_webhooks(extra_env)
         wait_until(self.gateway_ready, self.settings.startup_timeout_s, "the gateway", [web])
 
-    def spawn_gateway(self, extra_env: dict[str, str] | None = None) -> Child:
-        """Start the gateway (the Procfile command) without waiting for it; on the port it
-        had before, if it ran already (a restart)."""
+    def spawn_gateway(
+        self, extra_env: dict[str, str] | None = None, port: int | None = None
+    ) -> Child:
+        """Start a gateway (the Procfile command) without waiting for it, on ``port`` (a
+        restart on the port of one gone), else the configured port or a free one."""
         env = {**self.service_env(), **(extra_env or {})}
-        port = self.settings.gateway_port or self._gateway_port or free_port()
-        self._gateway_port = port
+        port = port or self.settings.gateway_port or free_port()
         env["PORT"] = str(port)
         env["LORAFLEET_GATEWAY_HOST"] = "127.0.0.1"
         web = self._spawn("gateway", ["sh", "-c", "exec " + procfile_commands()["web"]], env)

@@ -16,7 +16,7 @@ from contracts.errors import ErrorCode
 from contracts.webhooks import batch_event_id, job_event_id
 from lorafleet.soak.faults import FaultRecord
 from lorafleet.soak.receiver import Delivery
-from lorafleet.soak.workload import BATCH_SIZE, Outcome
+from lorafleet.soak.workload import BATCH_SIZE, TERMINAL, Outcome
 
 STABLE_CODES = {code.value for code in ErrorCode}
 
@@ -44,15 +44,24 @@ class Verdict:
         self.violations.append(what)
 
 
+CUT_AFTER_KILL_S = 10.0
+"""A stream may break this long after a gateway kill (the kernel closes its connections at
+once; the client notices on its next read)."""
+
+
 def check_outcomes(
     outcomes: list[Outcome],
     references: dict[tuple[str, int], Reference],
     revisions: dict[str, str],
+    gateway_kills: list[float],
     verdict: Verdict,
 ) -> None:
     """Each request as its caller saw it, against its job records and its reference."""
     for outcome in outcomes:
         verdict.counts["sent"] += 1
+        if outcome.client_error:
+            verdict.fail(f"{outcome.kind} sent at {outcome.sent_at:.1f} s: {outcome.client_error}")
+            continue
         for status, code in outcome.refusals:
             verdict.refusals[code or f"HTTP {status} without a code"] += 1
             if code not in STABLE_CODES:
@@ -80,13 +89,15 @@ def check_outcomes(
             continue
         (job,) = outcome.jobs.values()
         _check_job(outcome.adapter, outcome.prompt, job, references, revisions, verdict)
+        if outcome.late_error is not None:
+            verdict.counts[f"completions answered {outcome.late_error} after acceptance"] += 1
         if job["status"] != "succeeded":
             continue
         want = references[(outcome.adapter, outcome.prompt)].text
-        if outcome.kind == "completion" and outcome.text != want:
+        if outcome.kind == "completion" and outcome.late_error is None and outcome.text != want:
             verdict.fail(f"completion {job['id']}: {outcome.text!r} is not {want!r}")
         if outcome.kind == "stream":
-            _check_stream(outcome, job, verdict)
+            _check_stream(outcome, job, gateway_kills, verdict)
 
 
 def _check_job(
@@ -105,7 +116,8 @@ def _check_job(
         if code not in STABLE_CODES:
             verdict.fail(f"job {job['id']} failed without a stable code: {job.get('error')}")
         return
-    if job["status"] != "succeeded":
+    if job["status"] != "succeeded":  # nobody cancels in the soak; "expired", "queued": lost
+        verdict.fail(f"job {job['id']} of {adapter} ended {job['status']}")
         return
     metadata = job.get("metadata") or {}
     result = job.get("result") or {}
@@ -124,8 +136,18 @@ def _check_job(
         verdict.counts["outputs equal to their PEFT reference"] += 1
 
 
-def _check_stream(outcome: Outcome, job: dict[str, Any], verdict: Verdict) -> None:
-    if outcome.stream_cut:
+def _check_stream(
+    outcome: Outcome, job: dict[str, Any], gateway_kills: list[float], verdict: Verdict
+) -> None:
+    if outcome.stream_cut_at is not None:
+        cut = outcome.stream_cut_at
+        if not any(0 <= cut - kill <= CUT_AFTER_KILL_S for kill in gateway_kills):
+            verdict.fail(f"stream of {job['id']} broke at {cut:.1f} s, no gateway kill before")
+        elif not job["result"]["text"].startswith(outcome.text or ""):
+            verdict.fail(
+                f"stream of {job['id']} delivered {outcome.text!r} before it broke, "
+                f"not a prefix of {job['result']['text']!r}"
+            )
         verdict.counts["streams cut by a gateway kill"] += 1
         return
     if outcome.stream_error is not None:
@@ -146,14 +168,15 @@ def _check_batch(
     counts = batch.get("request_counts") or {}
     lines = outcome.batch_lines
     name = f"batch {outcome.batch_id}"
-    if counts.get("total") != BATCH_SIZE or counts["completed"] + counts["failed"] != BATCH_SIZE:
+    total, completed, failed = (counts.get(k, -1) for k in ("total", "completed", "failed"))
+    if total != BATCH_SIZE or completed + failed != BATCH_SIZE:
         verdict.fail(f"{name}: counts {counts} do not add up to {BATCH_SIZE}")
     if sorted(line["custom_id"] for line in lines) != sorted(outcome.batch_asked):
         verdict.fail(f"{name}: {len(lines)} result lines for {BATCH_SIZE} requests")
     if len({line["job_id"] for line in lines}) != len(lines):
         verdict.fail(f"{name}: a job appears twice in its results")
     succeeded = sum(line["status"] == "succeeded" for line in lines)
-    if succeeded != counts.get("completed"):
+    if succeeded != completed:
         verdict.fail(f"{name}: {succeeded} lines succeeded, the counts say {counts}")
     for line in lines:
         adapter, prompt = outcome.batch_asked[line["custom_id"]]
@@ -166,7 +189,9 @@ def check_webhooks(
     outcomes: list[Outcome], deliveries: dict[str, list[Delivery]], verdict: Verdict
 ) -> None:
     """Every finished job with a webhook, and every batch, was delivered exactly once: one
-    2xx answer, no call for it after that, every call signed."""
+    2xx answer, no call for it after that, every call signed; and no call came for an event
+    nobody asked for (a job admitted twice)."""
+    expected: set[str] = set()
     for outcome in outcomes:
         if not outcome.accepted or (not outcome.jobs and outcome.batch is None):
             continue
@@ -178,6 +203,7 @@ def check_webhooks(
         else:
             continue
         calls = deliveries.get(event_id, [])
+        expected.add(event_id)
         verdict.counts["webhook events"] += 1
         verdict.counts["webhook calls"] += len(calls)
         for call in calls:
@@ -185,20 +211,34 @@ def check_webhooks(
                 verdict.fail(f"{event_id}: a call whose signature did not verify")
         ok = [i for i, call in enumerate(calls) if 200 <= call.answered < 300]
         if not ok:
-            verdict.counts["webhook events never delivered"] += 1
+            verdict.fail(f"{event_id}: never delivered ({len(calls)} calls)")
             continue
         if len(calls) > ok[0] + 1:
             verdict.fail(f"{event_id}: {len(calls) - ok[0] - 1} calls after it was answered 2xx")
         payload = calls[ok[0]].payload or {}
         if status is not None and (payload.get("data") or {}).get("status") != status:
             verdict.fail(f"{event_id}: delivered {payload.get('type')} for a job {status}")
+    for event_id in sorted(set(deliveries) - expected):
+        verdict.fail(f"{event_id}: {len(deliveries[event_id])} calls for an event no request had")
 
 
-def check_unfinished(seen: int, unfinished: dict[str, str], verdict: Verdict) -> None:
-    """Job records the observer saw that never reached a terminal status (lost jobs)."""
-    verdict.counts["job records seen in Redis"] = seen
-    for job_id, status in sorted(unfinished.items()):
-        verdict.fail(f"job {job_id} was last seen {status}: it never ended")
+def check_records(outcomes: list[Outcome], seen: dict[str, str], verdict: Verdict) -> None:
+    """Every job record that appeared in Redis ended, and belongs to a request: the jobs
+    nobody can name are at most the completions whose answer never came (admitted, then the
+    gateway killed); any more is a request admitted twice."""
+    verdict.counts["job records seen in Redis"] = len(seen)
+    for job_id, status in sorted(seen.items()):
+        if status not in TERMINAL:
+            verdict.fail(f"job {job_id} was last seen {status}: it never ended")
+    named = {job_id for outcome in outcomes for job_id in outcome.job_ids}
+    unnamed = sorted(set(seen) - named)
+    may_be = sum(outcome.job_unknown for outcome in outcomes)
+    verdict.counts["job records no caller could name"] = len(unnamed)
+    if len(unnamed) > may_be:
+        verdict.fail(
+            f"{len(unnamed)} jobs ran that no request named, and only {may_be} requests went "
+            f"unanswered: admitted twice? {unnamed[:10]}"
+        )
 
 
 def recovery(faults: list[FaultRecord], outcomes: list[Outcome]) -> list[dict[str, Any]]:
@@ -215,7 +255,11 @@ def recovery(faults: list[FaultRecord], outcomes: list[Outcome]) -> list[dict[st
             and all(j["status"] == "succeeded" for j in o.jobs.values())
         ]
         # The rate-limited tenant's refusals are by design, not the fault's doing.
-        window = [o for o in after if o.sent_at < fault.at_s + 60 and not _by_design(o)]
+        window = [
+            o
+            for o in after
+            if o.sent_at < fault.at_s + 60 and o.kind != "batch" and not _by_design(o)
+        ]
         failed = [
             o
             for o in window

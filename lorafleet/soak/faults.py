@@ -44,10 +44,21 @@ class TcpProxy:
         self._lock = threading.Lock()
         self.port = 0
 
-    def up(self) -> None:
+    def up(self, retry_s: float = 0.0) -> None:
+        """Listen (again, on the same port once it had one); ``retry_s``: keep trying that
+        long if the port is taken meanwhile (an outgoing connection's local port, say)."""
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", self.port))
+        give_up = time.monotonic() + retry_s
+        while True:
+            try:
+                listener.bind(("127.0.0.1", self.port))
+                break
+            except OSError:
+                if time.monotonic() > give_up:
+                    listener.close()
+                    raise
+                time.sleep(0.5)
         listener.listen(128)
         self.port = listener.getsockname()[1]
         self._listener = listener
@@ -92,6 +103,7 @@ class TcpProxy:
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        # One side's end closes both: S3 clients never half-close a connection.
         try:
             while data := src.recv(65536):
                 dst.sendall(data)
@@ -121,22 +133,25 @@ class FaultRecord:
 
 @dataclass
 class Supervisor:
-    """Keeps ``workers`` job workers, the gateway and the webhook worker running; carries
-    out the fault schedule. Everything touching the stack's processes happens on its one
-    thread, which lives until ``stop``: Linux sends a child's parent-death signal when the
-    *thread* that started it exits, so processes it started would die with it. ``quiesce``
-    ends the faults and the restarts and leaves the processes running."""
+    """Restarts the job workers, the gateway and the webhook worker when they exit; carries
+    out the fault schedule. Once started, everything touching the stack's processes happens
+    on its one thread, which lives until ``stop``: Linux sends a child's parent-death signal
+    when the *thread* that started it exits, so processes it started would die with it.
+    ``quiesce`` ends the faults and the restarts and leaves the processes running. An error
+    of its own is kept in ``errors`` (the run reports it) and the loop goes on."""
 
     stack: LocalStack
     proxy: TcpProxy
     worker_env: dict[str, str]
     gateway_env: dict[str, str]
-    workers: int
     clock: Callable[[], float]
     schedule: list[tuple[float, str]]
     faults: list[FaultRecord] = field(default_factory=list)
     restarts: list[tuple[float, str, int | None]] = field(default_factory=list)
     """(when, process name, its exit code) of every restart"""
+    errors: list[str] = field(default_factory=list)
+    _replaced: dict[str, str] = field(default_factory=dict)
+    """worker name -> the name of the worker started in its place"""
     _spawned: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
     _quiet: threading.Event = field(default_factory=threading.Event)
@@ -158,6 +173,12 @@ class Supervisor:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="soak-supervisor", daemon=True)
         self._thread.start()
+
+    def wait_restored(self, timeout_s: float) -> None:
+        """Until every fault's part is back (a replacement worker announced, say)."""
+        deadline = time.monotonic() + timeout_s
+        while self._waiting and time.monotonic() < deadline:
+            time.sleep(0.25)
 
     def quiesce(self) -> None:
         """No more faults or restarts; returns once the loop has taken note."""
@@ -182,9 +203,12 @@ class Supervisor:
                     self._inject(name)
                 except Exception as exc:  # a fault that could not be done is reported
                     self.faults.append(FaultRecord(name, self.clock(), "-", note=repr(exc)))
-            self._restart_dead()
+            try:
+                self._restart_dead()
+            except Exception as exc:
+                self.errors.append(f"{self.clock():.1f} s: restarting: {exc!r}")
             for record, check in list(self._waiting):
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):  # Redis down: asked again next turn
                     if check():
                         record.restored_at_s = self.clock()
                         self._waiting.remove((record, check))
@@ -200,35 +224,36 @@ class Supervisor:
             self.stack.children.remove(child)
             self.restarts.append((self.clock(), child.name, child.process.returncode))
             if child.name.startswith("soak-worker"):
-                self.spawn_worker()
+                self._replaced[child.name] = self.spawn_worker().name
             elif child.name == "gateway":
-                self.stack.spawn_gateway(self.gateway_env)
+                port = int(self.stack.gateway_url.rsplit(":", 1)[1])
+                self.stack.spawn_gateway(self.gateway_env, port=port)
             elif child.name == "webhooks":
                 self.stack.spawn_webhooks(self.gateway_env)
 
-    def _announced(self, before: set[str]) -> Callable[[], bool]:
-        """True once a worker started after the fault announced itself."""
+    def _replacement_announced(self, victim: str) -> Callable[[], bool]:
+        """True once the worker started in ``victim``'s place announced itself."""
 
         def check() -> bool:
-            live = [c for c in self.job_workers() if c.alive() and c.name not in before]
+            name = self._replaced.get(victim)
+            live = [c for c in self.job_workers() if c.name == name and c.alive()]
             return any(self.stack.worker_id(c) for c in live)
 
         return check
 
     def _inject(self, name: str) -> None:
         now = self.clock()
-        before = {c.name for c in self.job_workers()}
         serving = [c for c in self.job_workers() if c.alive() and self.stack.worker_id(c)]
         if name == "worker_kill":
             victim = serving[0] if serving else self.job_workers()[0]
             os.killpg(victim.pid, signal.SIGKILL)
             record = FaultRecord(name, now, victim.name)
-            self._waiting.append((record, self._announced(before)))
+            self._waiting.append((record, self._replacement_announced(victim.name)))
         elif name == "engine_core_kill":
             victim = serving[-1] if serving else self.job_workers()[-1]
             engine_core(victim).kill()
             record = FaultRecord(name, now, victim.name)
-            self._waiting.append((record, self._announced(before)))
+            self._waiting.append((record, self._replacement_announced(victim.name)))
         elif name == "redis_kill":
             record = FaultRecord(name, now, "redis")
             self.stack.restart_redis(down_s=REDIS_DOWN_S, kill=True)
@@ -237,7 +262,7 @@ class Supervisor:
             record = FaultRecord(name, now, "s3")
             self.proxy.down()
             time.sleep(S3_DOWN_S)  # the supervisor sleeps with it: nothing else is due
-            self.proxy.up()
+            self.proxy.up(retry_s=30)
             record.restored_at_s = self.clock()
         elif name == "gateway_kill":
             gateway = next(c for c in self.stack.children if c.name == "gateway")

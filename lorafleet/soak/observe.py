@@ -62,8 +62,9 @@ class Observer:
     """(process name, pid) -> its resident memory in MB"""
     redis_memory: list[tuple[float, int, int]] = field(default_factory=list)
     """(when, used_memory bytes, keys)"""
-    jobs: dict[str, tuple[str, float]] = field(default_factory=dict)
-    """job id -> (last status seen, when first seen)"""
+    jobs: dict[str, str] = field(default_factory=dict)
+    """job id -> the last status seen"""
+    _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -97,33 +98,32 @@ class Observer:
             redis = self.stack.redis()
             info = redis.info("memory")
             self.redis_memory.append((now, int(info["used_memory"]), int(redis.dbsize())))
-            self._scan_jobs(redis, now)
+            self._scan_jobs(redis)
 
-    def _scan_jobs(self, redis: Redis, now: float) -> None:
+    def _scan_jobs(self, redis: Redis) -> None:
         keys = [str(k) for k in redis.scan_iter(match=JOB_PATTERN, count=1000)]
         pipe = redis.pipeline(transaction=False)
         for key in keys:
             pipe.hget(key, "status")
-        for key, status in zip(keys, pipe.execute(), strict=True):
-            if status is None:
-                continue
-            job_id = key.rsplit(":", 1)[1]
-            first = self.jobs.get(job_id, ("", now))[1]
-            self.jobs[job_id] = (str(status), first)
+        statuses = pipe.execute()
+        with self._lock:
+            for key, status in zip(keys, statuses, strict=True):
+                if status is not None:
+                    self.jobs[key.rsplit(":", 1)[1]] = str(status)
 
-    def unfinished(self) -> dict[str, str]:
-        """Job ids last seen in a non-terminal status, with it."""
-        return {j: s for j, (s, _) in self.jobs.items() if s not in TERMINAL}
-
-    def recheck(self, job_ids: list[str]) -> None:
-        """Read these jobs' status again now (the end of a run)."""
+    def final_statuses(self) -> dict[str, str]:
+        """Every job seen, with its status now for those last seen unfinished ("expired":
+        its record is gone)."""
+        with self._lock:
+            seen = dict(self.jobs)
+        unfinished = [job_id for job_id, status in seen.items() if status not in TERMINAL]
         redis = self.stack.redis()
         pipe = redis.pipeline(transaction=False)
-        for job_id in job_ids:
+        for job_id in unfinished:
             pipe.hget(f"{PREFIX}:job:{job_id}", "status")
-        for job_id, status in zip(job_ids, pipe.execute(), strict=True):
-            first = self.jobs[job_id][1]
-            self.jobs[job_id] = (str(status) if status is not None else "expired", first)
+        for job_id, status in zip(unfinished, pipe.execute(), strict=True):
+            seen[job_id] = str(status) if status is not None else "expired"
+        return seen
 
     def dump(self) -> dict[str, object]:
         return {

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 from contracts.queues import Tier
 from contracts.tenants import ALL_ADAPTERS, TenantLimits
+from contracts.webhooks import batch_event_id, job_event_id
 from lorafleet.experiment.cold_swap import Adapter, ColdSwapModel
 from lorafleet.fixtures import write_fixtures
 from lorafleet.processes import free_port, wait_until
@@ -24,7 +25,7 @@ from lorafleet.soak.checks import (
     Reference,
     Verdict,
     check_outcomes,
-    check_unfinished,
+    check_records,
     check_webhooks,
     per_minute,
     recovery,
@@ -32,19 +33,23 @@ from lorafleet.soak.checks import (
 from lorafleet.soak.faults import Supervisor, TcpProxy, schedule_for
 from lorafleet.soak.observe import Observer
 from lorafleet.soak.receiver import FlappingReceiver
-from lorafleet.soak.workload import PROMPTS, Caller, Mix, Traffic
+from lorafleet.soak.workload import MAX_TOKENS, PROMPTS, Caller, Mix, Traffic
 from lorafleet.stack import LocalStack
 from lorafleet.tenants import Tenants
 
 TIERS = [Tier.HOT] * 2 + [Tier.WARM] * 4 + [Tier.COLD] * 6
 DEADLINE_S = 45
 """Short, so that a job that waits through a fault ends (``deadline_exceeded`` at worst)
-within a short run; the retention must exceed it (settings refuse otherwise)."""
-WEBHOOK_WINDOW_S = 120
+within a short run."""
+SWEEP_GRACE_S = 2
+SWEEP_INTERVAL_S = 1
 KEY_GROWTH_BOUND = 50
 """Keys the run may leave beyond its start once retention passed: announcements of the
 workers that replaced killed ones (they expire within seconds), the tenants' rate buckets."""
 MEMORY_GROWTH_BOUND_BYTES = 4 * 2**20
+RESTORE_WAIT_S = 240.0
+"""How long the end of a run waits for the last fault's part to be back (a worker start
+takes 20-80 s on this loaded machine)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,21 @@ class SoakConfig:
     faults: bool = True
     worker_kill_every_s: float | None = 300.0
     seed: int = 7
+
+    def __post_init__(self) -> None:
+        # The services refuse a retention their unfinished jobs' records would not outlive.
+        floor = DEADLINE_S + SWEEP_GRACE_S + SWEEP_INTERVAL_S + 10
+        if self.retention_s < floor:
+            raise ValueError(
+                f"retention_s must be at least {floor} s (the job deadline is {DEADLINE_S} s), "
+                f"not {self.retention_s}"
+            )
+
+    @property
+    def webhook_window_s(self) -> int:
+        """Webhook retries stop well before the events' records expire (settings refuse a
+        window as long as the retention)."""
+        return min(120, self.retention_s - 15)
 
 
 def service_env(config: SoakConfig) -> dict[str, str]:
@@ -75,15 +95,15 @@ def service_env(config: SoakConfig) -> dict[str, str]:
         "LORAFLEET_ENGINE_PROBE_S": "1",
         "LORAFLEET_ENGINE_PROBE_TIMEOUT_S": "30",
         "LORAFLEET_ENGINE_FAILURE_EXIT_S": "30",
-        "LORAFLEET_SWEEP_INTERVAL_S": "1",
-        "LORAFLEET_SWEEP_GRACE_S": "2",
+        "LORAFLEET_SWEEP_INTERVAL_S": str(SWEEP_INTERVAL_S),
+        "LORAFLEET_SWEEP_GRACE_S": str(SWEEP_GRACE_S),
         "LORAFLEET_WORKER_CONCURRENCY": "32",
         "LORAFLEET_MAX_LORAS": "3",
         "LORAFLEET_MAX_CPU_LORAS": "4",
         "LORAFLEET_DISK_CACHE_BYTES": "400000",
         "LORAFLEET_DRAIN_TIMEOUT_S": "30",
         "LORAFLEET_WEBHOOK_BACKOFF_S": "0.5",
-        "LORAFLEET_WEBHOOK_RETRY_WINDOW_S": str(WEBHOOK_WINDOW_S),
+        "LORAFLEET_WEBHOOK_RETRY_WINDOW_S": str(config.webhook_window_s),
         "LORAFLEET_WEBHOOK_POLL_S": "0.2",
         "LORAFLEET_WEBHOOK_TIMEOUT_S": "5",
     }
@@ -129,7 +149,7 @@ def references(fixtures: Path, revisions: dict[str, str]) -> dict[tuple[str, int
     for alias in adapters:
         model.swap(alias)
         for i, prompt in enumerate(PROMPTS):
-            tokens = tuple(model.tokens(prompt, 12))
+            tokens = tuple(model.tokens(prompt, MAX_TOKENS))
             text = str(model.tokenizer.decode(list(tokens), skip_special_tokens=True))
             out[(alias, i)] = Reference(tokens, text.rstrip("\ufffd"))
     return out
@@ -159,7 +179,7 @@ def run_soak(config: SoakConfig, say: Callable[[str], None] = print) -> SoakResu
             record = publisher.publish(fixtures / "adapters" / spec.name, spec.name, tier)
             revisions[spec.name] = record.digest
             tiers[spec.name] = tier.value
-        say("references: transformers + PEFT, 12 adapters x 3 prompts")
+        say(f"references: transformers + PEFT, {len(revisions)} adapters x {len(PROMPTS)} prompts")
         refs = references(fixtures, revisions)
 
         moto = urlparse(stack.s3_endpoint_url)
@@ -191,7 +211,7 @@ def run_soak(config: SoakConfig, say: Callable[[str], None] = print) -> SoakResu
         schedule = (
             schedule_for(config.duration_s, config.worker_kill_every_s) if config.faults else []
         )
-        supervisor = Supervisor(stack, proxy, env, env, config.workers, clock, schedule)
+        supervisor = Supervisor(stack, proxy, env, env, clock, schedule)
         say(f"starting the gateway, the webhook worker and {config.workers} workers")
         gateway = stack.spawn_gateway(env)
         stack.spawn_webhooks(env)
@@ -209,6 +229,7 @@ def run_soak(config: SoakConfig, say: Callable[[str], None] = print) -> SoakResu
             Mix(tuple(callers), tiers),
             config.rate_per_s,
             receiver.url(),
+            timeout_s=DEADLINE_S + 60,  # past any job's end: a caller never gives up first
             seed=config.seed,
         )
         t0[0] = time.monotonic()
@@ -221,16 +242,17 @@ def run_soak(config: SoakConfig, say: Callable[[str], None] = print) -> SoakResu
         asyncio.run(_with_progress(traffic, config.duration_s, DEADLINE_S + 60, say))
 
         say("waiting for the webhook deliveries to settle")
-        _settle_webhooks(traffic, receiver, WEBHOOK_WINDOW_S + 30)
+        _settle_webhooks(traffic, receiver, config.webhook_window_s + 30)
         settled_at = clock()
+        supervisor.wait_restored(RESTORE_WAIT_S)
         supervisor.quiesce()
-        observer.recheck(list(observer.unfinished()))
-        unfinished = observer.unfinished()
-
         verdict = Verdict()
-        check_outcomes(traffic.outcomes, refs, revisions, verdict)
+        kills = [f.at_s for f in supervisor.faults if f.name == "gateway_kill"]
+        check_outcomes(traffic.outcomes, refs, revisions, kills, verdict)
         check_webhooks(traffic.outcomes, receiver.deliveries(), verdict)
-        check_unfinished(len(observer.jobs), unfinished, verdict)
+        check_records(traffic.outcomes, observer.final_statuses(), verdict)
+        for error in supervisor.errors:
+            verdict.fail(f"the supervisor: {error}")
 
         # Records expire job_ttl_s after their last change: the last webhook delivery's.
         wait_s = max(0.0, settled_at + config.retention_s + 15 - clock())
@@ -282,8 +304,6 @@ async def _with_progress(
 def _settle_webhooks(traffic: Traffic, receiver: FlappingReceiver, timeout_s: float) -> None:
     """Until every accepted job with a webhook and every batch has had a 2xx call (or the
     retry window has surely ended)."""
-    from contracts.webhooks import batch_event_id, job_event_id
-
     events = [job_event_id(j) for o in traffic.outcomes if o.kind == "job_webhook" for j in o.jobs]
     events += [batch_event_id(o.batch_id) for o in traffic.outcomes if o.batch_id and o.batch]
     deadline = time.monotonic() + timeout_s

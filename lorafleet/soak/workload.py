@@ -28,8 +28,10 @@ PROMPTS = (
 )
 MAX_TOKENS = 12
 BATCH_SIZE = 8
-RESUBMIT_FOR_S = 60.0
-"""How long a caller with an idempotency key keeps sending again after a transport error."""
+RESUBMIT_FOR_S = 25.0
+"""How long a caller with an idempotency key keeps sending again after a transport error:
+within the 30 s the gateway holds a key whose first request never finished (a gateway killed
+mid-request), past which a resend is admitted anew (``gateway/idempotency.py``)."""
 POLL_WAIT_S = 20.0
 TERMINAL = ("succeeded", "failed", "cancelled")
 BATCH_TERMINAL = ("completed", "cancelled")
@@ -73,12 +75,15 @@ class Outcome:
     prompt: int
     sent_at: float
     """seconds since the run began"""
-    status: int = 0
-    """HTTP status of the last submission (0: never answered)"""
     refusals: list[tuple[int, str | None]] = field(default_factory=list)
     """(status, error code) of every answer that was not an acceptance"""
     transport_errors: int = 0
     accepted: bool = False
+    job_unknown: bool = False
+    """a completion whose answer never came: the gateway may have admitted a job its caller
+    cannot name (it ends all the same; the soak counts such jobs)"""
+    late_error: str | None = None
+    """the error code of an accepted completion answered without its result (a 504, say)"""
     job_ids: list[str] = field(default_factory=list)
     batch_id: str | None = None
     done_at: float | None = None
@@ -88,8 +93,8 @@ class Outcome:
     """what a completion answered, or what a stream delivered"""
     stream_done: bool = False
     stream_error: dict[str, Any] | None = None
-    stream_cut: bool = False
-    """the connection broke mid-stream (gateway killed): the text is partial"""
+    stream_cut_at: float | None = None
+    """when the connection broke mid-stream (a gateway killed): the text is partial"""
     jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
     """job id -> its terminal record (``GET /v1/jobs/{id}``)"""
     batch: dict[str, Any] | None = None
@@ -98,6 +103,8 @@ class Outcome:
     """custom id -> (adapter, prompt index) of each batch line"""
     unresolved: str | None = None
     """why the caller never learnt how its accepted request ended"""
+    client_error: str | None = None
+    """an exception the soak's own client raised (a bug of the soak, or a malformed answer)"""
 
     @property
     def latency_s(self) -> float | None:
@@ -114,12 +121,15 @@ class Traffic:
         mix: Mix,
         rate_per_s: float,
         webhook_url: str,
+        timeout_s: float,
         seed: int = 7,
     ) -> None:
         self._url = gateway_url
         self._mix = mix
         self._rate = rate_per_s
         self._webhook_url = webhook_url
+        self._timeout_s = timeout_s
+        """how long a caller waits for an answer (longer than any job may take)"""
         self._random = random.Random(seed)
         self.outcomes: list[Outcome] = []
         self.started = 0.0
@@ -134,7 +144,7 @@ class Traffic:
     async def run(self, duration_s: float, finish_by_s: float) -> None:
         """Send for ``duration_s``, then wait up to ``finish_by_s`` more for the answers."""
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
-        timeout = httpx.Timeout(POLL_WAIT_S + 30, connect=5)
+        timeout = httpx.Timeout(self._timeout_s, connect=5)
         async with httpx.AsyncClient(base_url=self._url, limits=limits, timeout=timeout) as http:
             self.started = time.monotonic()
             next_at = 0.0
@@ -185,6 +195,8 @@ class Traffic:
         except asyncio.CancelledError:
             outcome.unresolved = outcome.unresolved or "still waiting when the run ended"
             raise
+        except Exception as exc:  # the client's own failure: reported, never excused
+            outcome.client_error = repr(exc)
 
     def _job_body(self, outcome: Outcome, webhook: bool) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -210,7 +222,6 @@ class Traffic:
                 outcome.transport_errors += 1
                 response = None
             if response is not None:
-                outcome.status = response.status_code
                 if response.status_code in (200, 202):
                     outcome.accepted = True
                     accepted: dict[str, Any] = response.json()
@@ -268,15 +279,17 @@ class Traffic:
             response = await http.post("/v1/completions", json=body, headers=self._headers(outcome))
         except httpx.TransportError:
             outcome.transport_errors += 1
+            outcome.job_unknown = True
             return
-        outcome.status = response.status_code
         job_id = response.headers.get("x-lorafleet-job-id")
         if response.status_code != 200:
-            outcome.refusals.append((response.status_code, _code(response)))
             if job_id:  # accepted, then not answered with its result (a 504, say)
                 outcome.accepted = True
+                outcome.late_error = _code(response) or str(response.status_code)
                 outcome.job_ids.append(job_id)
                 await self._wait_jobs(http, outcome)
+            else:
+                outcome.refusals.append((response.status_code, _code(response)))
             return
         outcome.accepted = True
         outcome.text = response.json()["choices"][0]["text"]
@@ -300,7 +313,6 @@ class Traffic:
             async with http.stream(
                 "POST", "/v1/completions", json=body, headers=self._headers(outcome)
             ) as response:
-                outcome.status = response.status_code
                 if response.status_code != 200:
                     await response.aread()
                     outcome.refusals.append((response.status_code, _code(response)))
@@ -324,8 +336,9 @@ class Traffic:
         except httpx.TransportError:
             outcome.transport_errors += 1
             if not outcome.accepted:
+                outcome.job_unknown = True
                 return
-            outcome.stream_cut = True
+            outcome.stream_cut_at = self.now()
         outcome.text = text
         await self._wait_jobs(http, outcome)
         if done_at is not None:
