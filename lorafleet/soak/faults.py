@@ -151,6 +151,7 @@ class Supervisor:
     """(when, process name, its exit code) of every restart"""
     errors: list[str] = field(default_factory=list)
     _replaced: dict[str, str] = field(default_factory=dict)
+    _slots: dict[str, int] = field(default_factory=dict)
     """worker name -> the name of the worker started in its place"""
     _spawned: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -160,12 +161,20 @@ class Supervisor:
     _waiting: list[tuple[FaultRecord, Callable[[], bool]]] = field(default_factory=list)
     _dead_since: dict[str, float] = field(default_factory=dict)
 
-    def spawn_worker(self) -> Child:
+    def spawn_worker(self, slot: int | None = None) -> Child:
+        """A job worker with a disk cache of its own (one worker process per directory, as
+        the cache requires); a replacement takes the slot, and the disk, of the one gone,
+        as a restarted container keeps its pod's volume."""
         self._spawned += 1
+        slot = self._spawned if slot is None else slot
         name = f"soak-worker-{self._spawned}"
-        return self.stack.spawn_worker(
-            {**self.worker_env, "LORAFLEET_WORKER_NAME": f"{name}@%h"}, name=name
-        )
+        env = {
+            **self.worker_env,
+            "LORAFLEET_WORKER_NAME": f"{name}@%h",
+            "LORAFLEET_CACHE_DIR": str(self.stack.state_dir / f"cache-{slot}"),
+        }
+        self._slots[name] = slot
+        return self.stack.spawn_worker(env, name=name)
 
     def job_workers(self) -> list[Child]:
         return [c for c in self.stack.children if c.name.startswith("soak-worker")]
@@ -224,7 +233,8 @@ class Supervisor:
             self.stack.children.remove(child)
             self.restarts.append((self.clock(), child.name, child.process.returncode))
             if child.name.startswith("soak-worker"):
-                self._replaced[child.name] = self.spawn_worker().name
+                slot = self._slots[child.name]
+                self._replaced[child.name] = self.spawn_worker(slot).name
             elif child.name == "gateway":
                 port = int(self.stack.gateway_url.rsplit(":", 1)[1])
                 self.stack.spawn_gateway(self.gateway_env, port=port)

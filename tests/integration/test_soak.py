@@ -18,8 +18,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from lorafleet.soak.faults import schedule_for
+from lorafleet.soak.report import print_report
 from lorafleet.soak.run import SoakConfig, run_soak
 
 DURATION_S = 180.0
@@ -40,6 +42,7 @@ def test_three_minutes_of_every_api_and_every_fault_lose_nothing_and_leave_nothi
         worker_kill_every_s=None,
     )
     result = run_soak(config, say=print)
+    print_report(result, Console(width=160))  # in the test's output, for whoever reads a failure
     verdict = result.verdict
     assert verdict.violations == [], "\n".join(verdict.violations[:30])
 

@@ -87,8 +87,15 @@ class Fleet:
     ) -> Child:
         self._spawned += 1
         name = f"fleet-worker-{self._spawned}"
+        # One worker process per cache directory, as the disk cache requires.
+        cache = str(self.stack.state_dir / f"cache-{name}")
         return self.stack.spawn_worker(
-            {**FLEET_ENV, **(env or {}), "LORAFLEET_WORKER_NAME": f"{name}@%h"},
+            {
+                **FLEET_ENV,
+                "LORAFLEET_CACHE_DIR": cache,
+                **(env or {}),
+                "LORAFLEET_WORKER_NAME": f"{name}@%h",
+            },
             name=name,
             wrapper=wrapper,
         )
