@@ -103,6 +103,9 @@ def service_env(config: SoakConfig) -> dict[str, str]:
         "LORAFLEET_DISK_CACHE_BYTES": "400000",
         "LORAFLEET_DRAIN_TIMEOUT_S": "30",
         "LORAFLEET_WEBHOOK_BACKOFF_S": "0.5",
+        # Retries at most 4 s apart: a window this short must not run out against the
+        # receiver's flaps by chance (a 105 s window with doubling backoff once did).
+        "LORAFLEET_WEBHOOK_BACKOFF_MAX_S": "4",
         "LORAFLEET_WEBHOOK_RETRY_WINDOW_S": str(config.webhook_window_s),
         "LORAFLEET_WEBHOOK_POLL_S": "0.2",
         "LORAFLEET_WEBHOOK_TIMEOUT_S": "5",
