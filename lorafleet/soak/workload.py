@@ -267,14 +267,19 @@ class Traffic:
                     break
         outcome.done_at = self.now()
 
-    async def _completion(self, http: httpx.AsyncClient, outcome: Outcome) -> None:
-        body = {
+    @staticmethod
+    def _completion_body(outcome: Outcome, stream: bool) -> dict[str, Any]:
+        return {
             "model": outcome.adapter,
             "prompt": PROMPTS[outcome.prompt],
             "max_tokens": MAX_TOKENS,
             "temperature": 0.0,
             "ignore_eos": True,
+            "stream": stream,
         }
+
+    async def _completion(self, http: httpx.AsyncClient, outcome: Outcome) -> None:
+        body = self._completion_body(outcome, stream=False)
         try:
             response = await http.post("/v1/completions", json=body, headers=self._headers(outcome))
         except httpx.TransportError:
@@ -299,14 +304,7 @@ class Traffic:
         outcome.done_at = done_at
 
     async def _stream(self, http: httpx.AsyncClient, outcome: Outcome) -> None:
-        body = {
-            "model": outcome.adapter,
-            "prompt": PROMPTS[outcome.prompt],
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-        }
+        body = self._completion_body(outcome, stream=True)
         text = ""
         done_at: float | None = None
         try:
