@@ -169,6 +169,15 @@ class EngineInfo(BaseModel):
     version: str
 
 
+class StoredResult(BaseModel):
+    """Where a result too large for the job store is kept: an object in the object store,
+    named by the sha256 of its bytes, under its tenant (``contracts.storage.result_key``)."""
+
+    key: str
+    sha256: str = Field(description="hex digest of the object's bytes; checked on every read")
+    size_bytes: int = Field(ge=0)
+
+
 class ResultMetadata(BaseModel):
     """Observed facts about how a job ran (never inferred from timing)."""
 
@@ -198,6 +207,12 @@ class ResultMetadata(BaseModel):
         default=None,
         description="the worker it was routed to (`host:pid:boot`); when that is not the "
         "worker that ran it, the job was handed back to the shared queue",
+    )
+    result_stored: StoredResult | None = Field(
+        default=None,
+        description="set when the result was larger than `LORAFLEET_RESULT_OFFLOAD_BYTES`: it "
+        "is kept in the object store (S3) under this key, not in Redis, and read back from "
+        "there for every answer (`result` is always given)",
     )
 
 

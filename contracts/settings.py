@@ -32,6 +32,16 @@ class ServiceSettings(BaseSettings):
         validation_alias="SENTRY_DSN",
         description="Report unhandled errors to Sentry when set.",
     )
+    s3_endpoint_url: str | None = Field(
+        default=None, description="S3-compatible endpoint (MinIO, R2, moto); `None` is AWS S3."
+    )
+    s3_bucket: str = Field(
+        default="lorafleet", description="Bucket holding adapter artifacts and large results."
+    )
+    s3_region: str = Field(default="us-east-1", description="Region for the S3 client.")
+    s3_max_attempts: int = Field(
+        default=4, ge=1, description="Attempts per S3 call (botocore standard retry mode)."
+    )
     job_ttl_s: int = Field(
         default=24 * 3600,
         gt=0,

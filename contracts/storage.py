@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from contracts.digests import DIGEST_PREFIX
+from contracts.jobs import JobPublic, JobResult, StoredResult
 
 
 def blob_key(file_sha256: str) -> str:
@@ -13,3 +16,42 @@ def blob_key(file_sha256: str) -> str:
 def manifest_key(digest: str) -> str:
     """Key of an adapter's canonical manifest, addressed by the adapter digest."""
     return f"manifests/sha256/{digest.removeprefix(DIGEST_PREFIX)}.json"
+
+
+RESULTS_PREFIX = "results/"
+"""Where offloaded results live; the bucket's lifecycle rule expires this prefix."""
+
+
+def result_key(tenant: str, sha256_hex: str) -> str:
+    """Key of an offloaded job result: under its tenant, addressed by the sha256 of its bytes
+    (two jobs with one result share the object; a write of it again renews its age)."""
+    return f"{RESULTS_PREFIX}{tenant}/sha256/{sha256_hex}.json"
+
+
+def encode_result(tenant: str, result: JobResult) -> tuple[StoredResult, bytes]:
+    """The bytes an offloaded result is stored as, and the reference the record keeps."""
+    body = result.model_dump_json().encode()
+    sha256 = hashlib.sha256(body).hexdigest()
+    return StoredResult(key=result_key(tenant, sha256), sha256=sha256, size_bytes=len(body)), body
+
+
+class StoredResultDamaged(Exception):
+    """An offloaded result's bytes are not the ones its record names."""
+
+
+def decode_result(stored: StoredResult, body: bytes) -> JobResult:
+    """The result held in ``body``, read from ``stored.key``, once its digest is checked."""
+    got = hashlib.sha256(body).hexdigest()
+    if len(body) != stored.size_bytes or got != stored.sha256:
+        raise StoredResultDamaged(
+            f"the object {stored.key} holds {len(body)} bytes of sha256 {got}, not the "
+            f"{stored.size_bytes} bytes of sha256 {stored.sha256} its job's record names"
+        )
+    return JobResult.model_validate_json(body)
+
+
+def stored_result(job: JobPublic) -> StoredResult | None:
+    """Where ``job``'s result is, when its record keeps only a reference to it."""
+    if job.result is not None or job.metadata is None:
+        return None
+    return job.metadata.result_stored

@@ -20,6 +20,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.models import BaseModels
 from gateway.popularity import PopularityCounter
 from gateway.queue import JobQueues
+from gateway.result_store import ResultReader
 from gateway.routes import batches, files, fleet, health, jobs, openai
 from gateway.routing import FleetRouter
 from gateway.streams import StreamHub, reader_client
@@ -64,7 +65,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             app.state.router,
             app.state.popularity,
         )
-        app.state.batches = Batches(app.state.redis, app.state.submitter, settings)
+        app.state.results = ResultReader(settings)
+        app.state.batches = Batches(
+            app.state.redis, app.state.submitter, settings, app.state.results
+        )
         app.state.files = Files(app.state.redis, app.state.batches, settings)
         # The subscription idles for long stretches: no socket timeout on its connection
         # (nor on the stream reader's, which blocks: ``streams.reader_client``).

@@ -8,6 +8,7 @@ line refuses the whole batch, with every bad line's number and reason; nothing i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -37,6 +38,7 @@ from gateway.idempotency import IdempotencyKeys, Reservation
 from gateway.openai_schemas import DEFAULT_MAX_TOKENS, ChatCompletionCreate, CompletionCreate
 from gateway.queue import job_message
 from gateway.registry import Resolved
+from gateway.result_store import ResultReader
 from gateway.routing import destination
 from gateway.submit import (
     Idempotency,
@@ -270,8 +272,10 @@ class Batches:
         redis: Redis,
         submitter: Submitter,
         settings: GatewaySettings,
+        results: ResultReader,
     ) -> None:
         self._redis = redis
+        self._results = results
         self._admit_script = redis.register_script(admission.ADMIT_BATCH)
         self._withdraw_script = redis.register_script(admission.WITHDRAW_BATCH)
         self._request_cancel = redis.register_script(REQUEST_CANCEL)
@@ -521,8 +525,12 @@ class Batches:
             batch = batch.model_copy(update={"webhook_delivery": delivery})
         return batch
 
-    async def lines(self, batch_id: str) -> AsyncIterator[list[tuple[BatchLine, JobPublic | None]]]:
-        """The batch's lines in submission order, with their jobs, a chunk at a time."""
+    async def lines(
+        self, batch_id: str, with_results: bool = False
+    ) -> AsyncIterator[list[tuple[BatchLine, JobPublic | None]]]:
+        """The batch's lines in submission order, with their jobs, a chunk at a time;
+        ``with_results``: results kept in the object store read back (``ApiError`` if one
+        cannot be), otherwise those jobs' ``result`` is ``None``."""
         start = 0
         while True:
             raw = await self._redis.lrange(batch_jobs_key(batch_id), start, start + READ_CHUNK - 1)
@@ -533,8 +541,14 @@ class Batches:
                 for line in lines:
                     pipe.hmget(job_key(line.job_id), RECORD_FIELDS)
                 records = await pipe.execute()
-            yield [(line, job_of(rec)) for line, rec in zip(lines, records, strict=True)]
+            jobs = [job_of(rec) for rec in records]
+            if with_results:
+                jobs = list(await asyncio.gather(*(self._with_result(job) for job in jobs)))
+            yield list(zip(lines, jobs, strict=True))
             start += READ_CHUNK
+
+    async def _with_result(self, job: JobPublic | None) -> JobPublic | None:
+        return None if job is None else await self._results.read(job)
 
     async def cancel(self, tenant: TenantRecord, batch_id: str) -> BatchPublic | None:
         """Cancel every job of the batch that has not started; running ones finish."""

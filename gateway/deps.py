@@ -14,6 +14,7 @@ from gateway.batches import Batches
 from gateway.config import GatewaySettings
 from gateway.files import Files
 from gateway.metrics import GatewayMetrics
+from gateway.result_store import ResultReader
 from gateway.streams import StreamHub
 from gateway.submit import Submitter
 from gateway.waiter import JobWaiter
@@ -54,6 +55,11 @@ async def _files(request: Request) -> Files:
     return files
 
 
+async def _results(request: Request) -> ResultReader:
+    results: ResultReader = request.app.state.results
+    return results
+
+
 async def _metrics(request: Request) -> GatewayMetrics:
     metrics: GatewayMetrics = request.app.state.metrics
     return metrics
@@ -67,3 +73,4 @@ SubmitterDep = Annotated[Submitter, Depends(_submitter)]
 BatchesDep = Annotated[Batches, Depends(_batches)]
 FilesDep = Annotated[Files, Depends(_files)]
 MetricsDep = Annotated[GatewayMetrics, Depends(_metrics)]
+ResultsDep = Annotated[ResultReader, Depends(_results)]

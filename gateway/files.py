@@ -223,7 +223,7 @@ class Files:
                 if batch is None or batch.output_file_id is None or expected != file_id:
                     raise _not_found(file_id)
                 out = []
-                async for chunk in self._batches.lines(batch_id):
+                async for chunk in self._batches.lines(batch_id, with_results=not errors):
                     for line, job in chunk:
                         made = _output_line(line, job)
                         if made is not None and made[0] == errors:

@@ -126,13 +126,12 @@ class WorkerSettings(ServiceSettings):
         gt=0,
         description="How long a download waits for in-use adapters to free disk cache space.",
     )
-    s3_endpoint_url: str | None = Field(
-        default=None, description="S3-compatible endpoint (MinIO, R2, moto); `None` is AWS S3."
-    )
-    s3_bucket: str = Field(default="lorafleet", description="Bucket holding adapter artifacts.")
-    s3_region: str = Field(default="us-east-1", description="Region for the S3 client.")
-    s3_max_attempts: int = Field(
-        default=4, ge=1, description="Attempts per S3 call (botocore standard retry mode)."
+    result_offload_bytes: int = Field(
+        default=16384,
+        ge=0,
+        description="A result whose JSON is larger than this is written to the object store "
+        "(`results/<tenant>/sha256/...`) and its record keeps only a reference; 0 keeps "
+        "every result in Redis.",
     )
     visibility_timeout_s: int = Field(
         default=900,

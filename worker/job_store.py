@@ -217,8 +217,9 @@ class JobStore:
         written = self._write(exhausted or queued, expect_attempts=job.attempts)
         return outcome if written == Advance.WRITTEN else None
 
-    def succeed(self, job: JobPublic, result: JobResult, metadata: ResultMetadata) -> bool:
-        """Store the result of attempt ``job.attempts``, if it is still the current one."""
+    def succeed(self, job: JobPublic, result: JobResult | None, metadata: ResultMetadata) -> bool:
+        """Store the result of attempt ``job.attempts``, if it is still the current one
+        (``None``: it is in the object store, and ``metadata.result_stored`` says where)."""
         done = _finished(job, JobStatus.SUCCEEDED, result=result, metadata=metadata)
         return self._write(done, expect_attempts=job.attempts) == Advance.WRITTEN
 

@@ -19,9 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import boto3
 import sentry_sdk
-from botocore.config import Config
 from celery.worker import state as celery_state
 
 from contracts.digests import manifest_of
@@ -42,11 +40,13 @@ from worker.held import HeldDeliveries
 from worker.inflight import InFlight
 from worker.job_store import JobStore
 from worker.leases import LeaseKeeper
+from worker.object_store import s3_client
 from worker.pins import Pins
 from worker.prefetch import NoPrefetch, Prefetcher
 from worker.reaper import QueueKeeper, Reaper, hand_back
 from worker.registry import preload_sets, record_pools
 from worker.residency import EngineAdapters
+from worker.result_store import ResultStore
 from worker.runner import JobRunner
 from worker.script_batch import ScriptBatch, script_client
 from worker.streams import STREAM_TTL_S, DeltaPublisher
@@ -82,19 +82,6 @@ def base_model_ref(model: str) -> BaseModelRef:
     return BaseModelRef(id=model, digest=manifest_of(path).digest())
 
 
-def s3_client(settings: WorkerSettings) -> object:
-    return boto3.client(
-        "s3",
-        endpoint_url=settings.s3_endpoint_url,
-        region_name=settings.s3_region,
-        config=Config(
-            retries={"max_attempts": settings.s3_max_attempts, "mode": "standard"},
-            connect_timeout=5,
-            read_timeout=30,
-        ),
-    )
-
-
 class WorkerRuntime:
     """Built once per worker process when Celery starts it; closed when Celery stops it."""
 
@@ -115,9 +102,11 @@ class WorkerRuntime:
             settings.lease_ttl_s,
             batch=self.scripts,
         )
+        s3 = s3_client(settings)
+        self.results = ResultStore(s3, settings.s3_bucket, settings.result_offload_bytes)
         self.cache = AdapterCache(
             settings.cache_dir,
-            s3_client(settings),
+            s3,
             settings.s3_bucket,
             max_bytes=settings.disk_cache_bytes,
             wait_s=settings.disk_wait_s,

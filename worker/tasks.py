@@ -152,7 +152,8 @@ def _attempt(rt: WorkerRuntime, message: JobMessage, running: JobPublic, began: 
                 metrics.job_finished(message, "failed", ErrorCode.ENGINE_ERROR, None)
             sentry_sdk.capture_exception(exc)
             return
-    if rt.jobs.succeed(running, result, metadata):
+    kept, metadata = rt.results.place(message.tenant, result, metadata)
+    if rt.jobs.succeed(running, kept, metadata):
         metrics.job_finished(message, "succeeded", None, metadata)
     if handle.cpu_resumed is not None:
         metrics.JOB_CPU.labels("finish").inc(time.thread_time() - handle.cpu_resumed)

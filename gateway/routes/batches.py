@@ -201,7 +201,7 @@ async def batch_results(batch_id: str, tenant: TenantDep, batches: BatchesDep) -
     await _existing(batches.get(tenant, batch_id), batch_id)
 
     async def lines() -> AsyncIterator[bytes]:
-        async for chunk in batches.lines(batch_id):
+        async for chunk in batches.lines(batch_id, with_results=True):
             out = []
             for line, job in chunk:
                 entry = {

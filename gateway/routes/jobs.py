@@ -12,7 +12,14 @@ from contracts.jobs import JobAccepted, JobCreate, JobPublic, JobStatus
 from contracts.webhooks import job_event_id
 from gateway import job_store
 from gateway.auth import JobAccessDep, TenantDep
-from gateway.deps import MetricsDep, RedisDep, SettingsDep, SubmitterDep, WaiterDep
+from gateway.deps import (
+    MetricsDep,
+    RedisDep,
+    ResultsDep,
+    SettingsDep,
+    SubmitterDep,
+    WaiterDep,
+)
 from gateway.errors import ADMISSION, AUTHENTICATED, ApiError, responses, unavailable
 from gateway.idempotency import fingerprint
 from gateway.submit import Idempotency, Submission
@@ -94,6 +101,7 @@ async def get_job(
     tenant: TenantDep,
     redis: RedisDep,
     waiter: WaiterDep,
+    results: ResultsDep,
     wait_s: Annotated[
         float,
         Query(ge=0, le=MAX_WAIT_S, description="Long-poll: wait up to this long for a result."),
@@ -115,7 +123,7 @@ async def get_job(
         except (RedisError, OSError) as exc:
             raise unavailable("the job store is unreachable", exc, _NOT_READ) from exc
         job = job.model_copy(update={"webhook_delivery": delivery})
-    return job
+    return await results.read(job)
 
 
 @router.delete(

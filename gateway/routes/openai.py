@@ -31,6 +31,7 @@ from gateway.auth import ModelAccessDep, TenantDep
 from gateway.deps import (
     MetricsDep,
     RedisDep,
+    ResultsDep,
     SettingsDep,
     StreamsDep,
     SubmitterDep,
@@ -143,6 +144,7 @@ class _Call:
     streams: StreamsDep
     settings: SettingsDep
     metrics: MetricsDep
+    results: ResultsDep
     idempotency_key: str | None = None
 
 
@@ -155,11 +157,21 @@ async def _call(
     streams: StreamsDep,
     settings: SettingsDep,
     metrics: MetricsDep,
+    results: ResultsDep,
     idempotency_key: IdempotencyKeyHeader = None,
 ) -> _Call:
     # A coroutine: FastAPI would build a class dependency in its thread pool.
     return _Call(
-        request, access, submitter, redis, waiter, streams, settings, metrics, idempotency_key
+        request,
+        access,
+        submitter,
+        redis,
+        waiter,
+        streams,
+        settings,
+        metrics,
+        results,
+        idempotency_key,
     )
 
 
@@ -329,6 +341,11 @@ async def _complete(
         error = _job_error(finished, job.id, timeout_s)
         error.headers = _audit_headers(job)
         raise error
+    try:
+        finished = await call.results.read(finished)
+    except ApiError as error:
+        error.headers = (error.headers or {}) | _audit_headers(job)
+        raise
     return JSONResponse(
         kind.whole(finished, body.model, created).model_dump(mode="json"),
         headers=_audit_headers(job),
@@ -374,6 +391,12 @@ async def _events(
             if isinstance(item, str):
                 yield chunk(kind.delta(item))
                 continue
+            if item.status == JobStatus.SUCCEEDED:
+                try:
+                    item = await call.results.read(item)
+                except ApiError as error:
+                    yield _error_event(error)
+                    break
             if item.status != JobStatus.SUCCEEDED or item.result is None:
                 yield _error_event(_job_error(item, job.id, timeout_s))
                 break

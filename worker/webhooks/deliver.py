@@ -14,11 +14,13 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 import httpx
+from botocore.exceptions import BotoCoreError, ClientError
 from redis import Redis
 
 from contracts.batches import batch_public
 from contracts.job_records import RECORD_FIELDS, job_of
 from contracts.keys import batch_key, job_key, webhook_secrets_key
+from contracts.storage import StoredResultDamaged, stored_result
 from contracts.webhooks import (
     DeliveryState,
     IPAddress,
@@ -30,6 +32,8 @@ from contracts.webhooks import (
     new_secret,
     split_url,
 )
+from worker.object_store import s3_client
+from worker.result_store import ResultStore
 from worker.webhooks.config import WebhookSettings
 from worker.webhooks.schedule import Conclusion, Event
 
@@ -70,10 +74,12 @@ class Deliverer:
         redis: Redis,
         settings: WebhookSettings,
         resolver: Resolver = system_resolver,
+        results: ResultStore | None = None,
     ) -> None:
         self._redis = redis
         self._settings = settings
         self._resolver = resolver
+        self._results = results
         self._http = httpx.Client(
             follow_redirects=False, timeout=settings.webhook_timeout_s, trust_env=False
         )
@@ -83,7 +89,12 @@ class Deliverer:
 
     def attempt(self, event: Event) -> Conclusion:
         """POST ``event`` once; what the schedule should do next."""
-        body = self._payload(event)
+        try:
+            body = self._payload(event)
+        except (BotoCoreError, ClientError, StoredResultDamaged) as exc:
+            # Ours, not the receiver's: try again later, within the event's window.
+            why = f"the job's result could not be read from the object store: {exc}"
+            return self._retry(event, None, why, None)
         if body is None:
             gone = f"the {event.kind} record has expired or was withdrawn"
             return Conclusion(DeliveryState.DEAD, None, gone)
@@ -131,6 +142,8 @@ class Deliverer:
             job = job_of(self._redis.hmget(job_key(event.subject), RECORD_FIELDS))  # type: ignore[arg-type]
             if job is None:
                 return None
+            if stored_result(job) is not None:
+                job = self._result_store().read(job)
             data = job.model_dump(mode="json", exclude={"webhook_delivery"})
             kind = f"job.{job.status.value}"
         envelope = {
@@ -139,6 +152,12 @@ class Deliverer:
             "data": data,
         }
         return json.dumps(envelope, separators=(",", ":")).encode()
+
+    def _result_store(self) -> ResultStore:
+        if self._results is None:  # built when a first event needs it
+            settings = self._settings
+            self._results = ResultStore(s3_client(settings), settings.s3_bucket, 0)
+        return self._results
 
     def _secrets(self, tenant: str, now: float) -> list[str]:
         key = webhook_secrets_key(tenant)
