@@ -34,6 +34,8 @@ from lorafleet.tenants import Tenants
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROCFILE = REPO_ROOT / "Procfile"
+RESULTS_LIFECYCLE = REPO_ROOT / "infra" / "s3" / "results-lifecycle.json"
+"""The bucket's lifecycle rule for offloaded results (the README's command applies it)."""
 DEV_TENANT = "dev"
 LOCAL_DEFAULTS = {
     # Callbacks to a receiver on this machine: allowed on a laptop, refused elsewhere.
@@ -194,6 +196,12 @@ class LocalStack:
             s3.head_bucket(Bucket=self.settings.s3_bucket)
         except ClientError:
             s3.create_bucket(Bucket=self.settings.s3_bucket)
+            # A bucket made here gets the rule a deployment applies (README: Running on a
+            # GPU fleet); one that exists is someone else's to configure.
+            s3.put_bucket_lifecycle_configuration(
+                Bucket=self.settings.s3_bucket,
+                LifecycleConfiguration=json.loads(RESULTS_LIFECYCLE.read_text()),
+            )
 
     def redis(self) -> Redis:
         """One client (and connection pool) for this stack's Redis, made on first use."""

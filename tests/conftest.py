@@ -41,6 +41,9 @@ STACK_ENV = {
     # Jobs past their deadline end within ~2 s of it (tests/integration/test_sweeper.py).
     "LORAFLEET_SWEEP_INTERVAL_S": "0.5",
     "LORAFLEET_SWEEP_GRACE_S": "1",
+    # Results over 512 bytes (about 40 tokens) go to S3: every test with long outputs reads
+    # them back through the readers (tests/integration/test_offload.py checks each).
+    "LORAFLEET_RESULT_OFFLOAD_BYTES": "512",
 }
 
 

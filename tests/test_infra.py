@@ -16,10 +16,12 @@ from pydantic_settings import BaseSettings
 
 from contracts import metrics
 from contracts.queues import WEBHOOKS_QUEUE
+from contracts.settings import ServiceSettings
+from contracts.storage import RESULTS_PREFIX
 from gateway.app import create_app
 from gateway.config import GatewaySettings
 from gateway.fleet import MIN_REPLICAS
-from lorafleet.stack import procfile_commands
+from lorafleet.stack import RESULTS_LIFECYCLE, procfile_commands
 from worker import metrics as worker_metrics
 from worker.config import WorkerSettings
 from worker.webhooks.config import WebhookSettings
@@ -236,3 +238,14 @@ def test_dockerfiles_lint_clean_with_each_ignored_rule_justified(dockerfile: Pat
             assert above.startswith("# ") and "hadolint" not in above, (
                 f"{dockerfile.name}:{index + 1}: {line} has no reason above it"
             )
+
+
+def test_the_results_lifecycle_rule_outlives_the_job_records() -> None:
+    """Offloaded results expire by the bucket's rule, never before the records naming them:
+    S3 counts whole days from an object's last write (a result written again is renewed)."""
+    (rule,) = json.loads(RESULTS_LIFECYCLE.read_text())["Rules"]
+    assert rule["Status"] == "Enabled" and rule["Filter"] == {"Prefix": RESULTS_PREFIX}
+    days = rule["Expiration"]["Days"]
+    assert days * 86400 > ServiceSettings().job_ttl_s
+    init = _compose()["services"]["minio-init"]["entrypoint"]
+    assert f"mc ilm rule add --prefix {RESULTS_PREFIX} --expire-days {days} " in init
