@@ -169,6 +169,12 @@ class EngineInfo(BaseModel):
     version: str
 
 
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
 class StoredResult(BaseModel):
     """Where a result too large for the job store is kept: an object in the object store,
     named by the sha256 of its bytes, under its tenant (``contracts.storage.result_key``)."""
@@ -176,6 +182,10 @@ class StoredResult(BaseModel):
     key: str
     sha256: str = Field(description="hex digest of the object's bytes; checked on every read")
     size_bytes: int = Field(ge=0)
+    finish_reason: str | None = Field(
+        description="the result's, kept here too: a stream's last chunk needs no read"
+    )
+    usage: Usage = Field(description="the result's, kept here too")
 
 
 class ResultMetadata(BaseModel):
@@ -214,12 +224,6 @@ class ResultMetadata(BaseModel):
         "is kept in the object store (S3) under this key, not in Redis, and read back from "
         "there for every answer (`result` is always given)",
     )
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
 
 
 class JobResult(BaseModel):

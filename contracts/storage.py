@@ -32,7 +32,14 @@ def encode_result(tenant: str, result: JobResult) -> tuple[StoredResult, bytes]:
     """The bytes an offloaded result is stored as, and the reference the record keeps."""
     body = result.model_dump_json().encode()
     sha256 = hashlib.sha256(body).hexdigest()
-    return StoredResult(key=result_key(tenant, sha256), sha256=sha256, size_bytes=len(body)), body
+    stored = StoredResult(
+        key=result_key(tenant, sha256),
+        sha256=sha256,
+        size_bytes=len(body),
+        finish_reason=result.finish_reason,
+        usage=result.usage,
+    )
+    return stored, body
 
 
 class StoredResultDamaged(Exception):

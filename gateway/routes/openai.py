@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from contracts.errors import ErrorBody, ErrorCode
 from contracts.jobs import JobPublic, JobStatus, Sampling
 from contracts.registry import AdapterRecord
+from contracts.storage import stored_result
 from gateway import job_store
 from gateway.access import Access
 from gateway.auth import ModelAccessDep, TenantDep
@@ -391,19 +392,16 @@ async def _events(
             if isinstance(item, str):
                 yield chunk(kind.delta(item))
                 continue
-            if item.status == JobStatus.SUCCEEDED:
-                try:
-                    item = await call.results.read(item)
-                except ApiError as error:
-                    yield _error_event(error)
-                    break
-            if item.status != JobStatus.SUCCEEDED or item.result is None:
+            # The text came as deltas; the end needs only what a stored result's reference
+            # keeps too (an object store that is down does not break the stream).
+            ending = item.result or stored_result(item)
+            if item.status != JobStatus.SUCCEEDED or ending is None:
                 yield _error_event(_job_error(item, job.id, timeout_s))
                 break
-            last = kind.delta("") | {"finish_reason": item.result.finish_reason}
+            last = kind.delta("") | {"finish_reason": ending.finish_reason}
             yield chunk(last, lorafleet=info_of(item).model_dump(mode="json"))
             if body.include_usage:
-                yield chunk(None, usage=item.result.usage.model_dump())
+                yield chunk(None, usage=ending.usage.model_dump())
     except StreamDiverged:
         yield _error_event(
             ApiError(

@@ -109,6 +109,9 @@ def service_env(config: SoakConfig) -> dict[str, str]:
         "LORAFLEET_WEBHOOK_RETRY_WINDOW_S": str(config.webhook_window_s),
         "LORAFLEET_WEBHOOK_POLL_S": "0.2",
         "LORAFLEET_WEBHOOK_TIMEOUT_S": "5",
+        # Every result goes to S3 (they are about 200 bytes): the S3 outage meets result
+        # writes and reads as well as adapter fetches.
+        "LORAFLEET_RESULT_OFFLOAD_BYTES": "64",
     }
 
 

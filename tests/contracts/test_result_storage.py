@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from contracts.jobs import JobResult, StoredResult, Usage
+from contracts.jobs import JobResult, Usage
 from contracts.storage import StoredResultDamaged, decode_result, encode_result, result_key
 
 
@@ -50,6 +50,6 @@ def test_bytes_that_are_not_the_named_ones_are_refused(damage: object) -> None:
 
 def test_a_reference_with_another_digest_is_refused() -> None:
     stored, body = encode_result("acme", _result())
-    wrong = StoredResult(key=stored.key, sha256="0" * 64, size_bytes=stored.size_bytes)
+    wrong = stored.model_copy(update={"sha256": "0" * 64})
     with pytest.raises(StoredResultDamaged):
         decode_result(wrong, body)
