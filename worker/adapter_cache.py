@@ -34,7 +34,7 @@ from urllib3.exceptions import HTTPError
 from contracts.digests import CHUNK_BYTES, DIGEST_PREFIX, FileEntry, Manifest, manifest_of
 from contracts.storage import blob_key, manifest_key
 from worker import metrics
-from worker.deadlines import late, passed, wait_slice
+from worker.deadlines import CHECK_EVERY_S, late, passed, wait_slice
 from worker.errors import AdapterIntegrityError, AdapterUnavailableError, JobFailure
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,27 @@ def _missing(error: ClientError) -> bool:
 
 class _StreamBroken(Exception):
     """The connection broke while reading an object's body (worth retrying)."""
+
+
+class StoreDown(AdapterUnavailableError):
+    """The object store did not answer: no connection, one that broke, a 5xx. A job with
+    time left before its deadline asks again (``AdapterCache.ensure``); a missing object or a
+    refusal (403) is final at once."""
+
+
+STORE_RETRY_S = 0.5
+"""First pause before a job asks an object store that was down again; doubling, jittered."""
+STORE_RETRY_MAX_S = 5.0
+"""Longest pause between two such asks."""
+
+
+def _pause(delay_s: float, check: Callable[[], None] | None) -> None:
+    """Sleep ``delay_s``, calling ``check`` (which raises once the job is stopped) meanwhile."""
+    end = time.monotonic() + delay_s
+    while (left := end - time.monotonic()) > 0:
+        if check is not None:
+            check()
+        time.sleep(min(left, CHECK_EVERY_S))
 
 
 class NoRoom(AdapterUnavailableError):
@@ -276,6 +297,8 @@ class AdapterCache:
             self.expect(digest)
         if self._touch(digest):
             return Fetched(self.path_for(digest), None, None, None)
+        down_since: float | None = None
+        asked = 0
         while True:
             with self._cond:
                 download = self._downloads.get(digest)
@@ -288,6 +311,21 @@ class AdapterCache:
                 break
             except NoRoom:
                 continue  # a prefetch's download gave up for room: this job's own one now
+            except StoreDown as down:
+                # An outage of the store is waited out while the job has time: a job's
+                # deadline (minutes) outlasts most, and failing it at once loses its run.
+                asked += 1
+                down_since = down_since or time.monotonic()
+                exponential = min(STORE_RETRY_S * 2 ** (asked - 1), STORE_RETRY_MAX_S)
+                delay = exponential * random.uniform(0.5, 1.0)
+                if deadline_at is None or time.time() + delay >= deadline_at:
+                    raise StoreDown(
+                        f"{down.message} (asked {asked} times over "
+                        f"{time.monotonic() - down_since:.1f} s; the job's deadline left no "
+                        "time to ask again)"
+                    ) from down
+                log.warning("adapter %s: %s; asking again in %.1f s", digest, down, delay)
+                _pause(delay, check)
         if started:
             return fetched
         # Another job's download: the files are verified, but this job did not time them.
@@ -528,9 +566,12 @@ class AdapterCache:
         except ClientError as exc:
             if _missing(exc):
                 raise AdapterUnavailableError(f"Object {key} is missing from the store.") from exc
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            if status >= 500:
+                raise StoreDown(f"The object store failed on {key}: {exc}") from exc
             raise AdapterUnavailableError(f"The object store refused {key}: {exc}") from exc
         except BotoCoreError as exc:
-            raise AdapterUnavailableError(f"The object store is unreachable: {exc}") from exc
+            raise StoreDown(f"The object store is unreachable: {exc}") from exc
 
     def _fetch_manifest(self, digest: str) -> Manifest:
         body = self._get(manifest_key(digest)).read()
@@ -558,7 +599,7 @@ class AdapterCache:
                 return self._stream_file(entry, directory)
             except _StreamBroken as broken:
                 if attempt == self._stream_attempts:
-                    raise AdapterUnavailableError(
+                    raise StoreDown(
                         f"Download of {entry.path} failed {attempt} times: {broken}"
                     ) from broken
                 log.warning("download of %s broke (%s); retrying", entry.path, broken)

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
+from botocore.config import Config
 from urllib3.exceptions import ProtocolError
 
 from contracts.digests import manifest_of
 from contracts.errors import ErrorCode
 from contracts.storage import blob_key
+from lorafleet.processes import free_port
 from lorafleet.publish import upload_artifact
-from lorafleet.stack import LocalStack
+from lorafleet.soak.faults import TcpProxy
+from lorafleet.stack import LOCAL_AWS, LocalStack
 from lorafleet.validation import ADAPTER_FILES
 from worker.adapter_cache import AdapterCache, NoRoom
 from worker.errors import (
@@ -124,11 +129,6 @@ def test_missing_object_is_adapter_unavailable(infra: LocalStack, s3: Any, tmp_p
 
 
 def test_unreachable_store_is_adapter_unavailable(tmp_path: Path) -> None:
-    import boto3
-    from botocore.config import Config
-
-    from lorafleet.processes import free_port
-
     client = boto3.client(
         "s3",
         endpoint_url=f"http://127.0.0.1:{free_port()}",
@@ -141,6 +141,83 @@ def test_unreachable_store_is_adapter_unavailable(tmp_path: Path) -> None:
     with pytest.raises(AdapterUnavailableError):
         cache.ensure("sha256:" + "1" * 64)
     assert _leftovers(tmp_path / "cache") == []
+
+
+def _proxied_client(infra: LocalStack, proxy: TcpProxy) -> Any:
+    """An S3 client that reaches the moto server through ``proxy``."""
+    client = boto3.client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{proxy.port}",
+        region_name="us-east-1",
+        aws_access_key_id=LOCAL_AWS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=LOCAL_AWS["AWS_SECRET_ACCESS_KEY"],
+        config=Config(retries={"max_attempts": 1}, connect_timeout=1),
+    )
+    return client
+
+
+@pytest.fixture
+def proxy(infra: LocalStack) -> Iterator[TcpProxy]:
+    port = int(infra.s3_endpoint_url.rsplit(":", 1)[1])
+    proxy = TcpProxy(("127.0.0.1", port))
+    proxy.up()
+    yield proxy
+    proxy.down()
+
+
+def test_a_short_store_outage_is_waited_out_within_the_jobs_deadline(
+    infra: LocalStack, s3: Any, tmp_path: Path, proxy: TcpProxy
+) -> None:
+    bucket = infra.settings.s3_bucket
+    digest = _publish(s3, bucket, _artifact(tmp_path, "outage", b"outage-weights" * 100))
+    cache = AdapterCache(tmp_path / "cache", _proxied_client(infra, proxy), bucket, BOUND)
+    proxy.down()
+    checks = 0
+
+    def check() -> None:
+        nonlocal checks
+        checks += 1
+
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(cache.ensure, digest, time.time() + 60, check)
+        time.sleep(2.0)  # some asks refused meanwhile
+        assert not waiting.done()
+        proxy.up(retry_s=10)
+        fetched = waiting.result(timeout=30)
+    assert fetched.loaded_digest == digest and cache.has(digest)
+    assert checks > 0  # the job could have been stopped while it waited
+    assert list((tmp_path / "cache" / "tmp").iterdir()) == []  # nothing half-written
+
+
+def test_a_store_outage_longer_than_the_deadline_fails_the_job_adapter_unavailable(
+    infra: LocalStack, s3: Any, tmp_path: Path, proxy: TcpProxy
+) -> None:
+    bucket = infra.settings.s3_bucket
+    digest = _publish(s3, bucket, _artifact(tmp_path, "long-outage", b"long-weights" * 100))
+    cache = AdapterCache(tmp_path / "cache", _proxied_client(infra, proxy), bucket, BOUND)
+    proxy.down()
+    with pytest.raises(AdapterUnavailableError) as caught:
+        cache.ensure(digest, deadline_at=time.time() + 3)
+    assert caught.value.code == "adapter_unavailable"
+    assert "unreachable" in caught.value.message and "asked" in caught.value.message
+    assert not cache.has(digest) and _leftovers(tmp_path / "cache") == []
+
+
+def test_a_stopped_job_stops_waiting_out_an_outage(
+    infra: LocalStack, s3: Any, tmp_path: Path, proxy: TcpProxy
+) -> None:
+    bucket = infra.settings.s3_bucket
+    digest = _publish(s3, bucket, _artifact(tmp_path, "stopped", b"stopped-weights" * 100))
+    cache = AdapterCache(tmp_path / "cache", _proxied_client(infra, proxy), bucket, BOUND)
+    proxy.down()
+    stop_at = time.monotonic() + 1.5
+
+    def check() -> None:
+        if time.monotonic() > stop_at:
+            raise JobStopped(StopReason.CANCELLED)
+
+    with pytest.raises(JobStopped):
+        cache.ensure(digest, deadline_at=time.time() + 60, check=check)
 
 
 def test_tampered_disk_copy_is_quarantined_on_verify(
