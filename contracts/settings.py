@@ -40,7 +40,10 @@ class ServiceSettings(BaseSettings):
     )
     s3_region: str = Field(default="us-east-1", description="Region for the S3 client.")
     s3_max_attempts: int = Field(
-        default=4, ge=1, description="Attempts per S3 call (botocore standard retry mode)."
+        default=4,
+        ge=1,
+        description="Retries of a failed S3 call after the first (botocore's standard mode "
+        "`max_attempts`).",
     )
     job_ttl_s: int = Field(
         default=24 * 3600,

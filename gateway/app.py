@@ -96,6 +96,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             await app.state.redis.aclose()
             await queues.close()
             app.state.submitter.close()
+            app.state.results.close()
 
     app = FastAPI(title="lorafleet gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)

@@ -16,6 +16,7 @@ from contracts.batches import BatchLine, error_file_id, output_file_id
 from contracts.errors import ErrorCode
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import file_key, tenant_file_bytes_key, tenant_files_key
+from contracts.storage import stored_result
 from contracts.tenants import TenantRecord
 from gateway.batches import Batches, openai_file_errors, refused
 from gateway.config import GatewaySettings
@@ -37,8 +38,12 @@ def _not_found(file_id: str) -> ApiError:
     return ApiError(404, ErrorCode.FILE_NOT_FOUND, f"No file with id {file_id!r} exists.")
 
 
-def _output_line(line: BatchLine, job: JobPublic | None) -> tuple[bool, dict[str, Any]] | None:
-    """``(is_error, line)`` of OpenAI's batch output format; ``None`` while still pending."""
+def _output_line(
+    line: BatchLine, job: JobPublic | None, errors: bool
+) -> tuple[bool, dict[str, Any]] | None:
+    """``(is_error, line)`` of OpenAI's batch output format; ``None`` while still pending, and
+    for a success when only ``errors`` are wanted (its result, perhaps in the object store,
+    is not read then)."""
     if job is None:
         error = {"code": "expired", "message": "The job's record has expired."}
         return True, {
@@ -48,6 +53,8 @@ def _output_line(line: BatchLine, job: JobPublic | None) -> tuple[bool, dict[str
             "error": error,
         }
     if not job.status.terminal:
+        return None
+    if job.status == JobStatus.SUCCEEDED and (job.result or stored_result(job)) and errors:
         return None
     if job.status != JobStatus.SUCCEEDED or job.result is None:
         failure = job.error.model_dump(mode="json") if job.error else None
@@ -225,7 +232,7 @@ class Files:
                 out = []
                 async for chunk in self._batches.lines(batch_id, with_results=not errors):
                     for line, job in chunk:
-                        made = _output_line(line, job)
+                        made = _output_line(line, job, errors)
                         if made is not None and made[0] == errors:
                             out.append(json.dumps(made[1], separators=(",", ":")) + "\n")
                 return "".join(out).encode()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from contracts.errors import ErrorCode
@@ -20,7 +21,12 @@ from gateway.errors import RETRY_AFTER_S, ApiError
 
 
 class _Missing(Exception):
-    """The object a record names is not in the bucket."""
+    """S3 answered that the object a record names is not there (404), or that this gateway
+    may not read it (403: also what a missing key is to a reader without ``s3:ListBucket``)."""
+
+
+READ_THREADS = 8
+"""Object-store reads one gateway process runs at once (a batch's results wait their turn)."""
 
 
 class ResultReader:
@@ -28,6 +34,12 @@ class ResultReader:
         self._settings = settings
         self._client: Any = None
         self._client_lock = threading.Lock()
+        # Its own threads: reads that hang in an outage must not hold the loop's default
+        # executor (DNS lookups for new Redis connections use it).
+        self._pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="result-reads")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def read(self, job: JobPublic) -> JobPublic:
         """``job`` with its result, read from the object store if its record keeps only a
@@ -36,14 +48,15 @@ class ResultReader:
         if stored is None:
             return job
         try:
-            body = await asyncio.to_thread(self._get, stored)
-        except _Missing:
+            body = await asyncio.get_running_loop().run_in_executor(self._pool, self._get, stored)
+        except _Missing as exc:
             raise ApiError(
                 500,
                 ErrorCode.INTERNAL_ERROR,
                 f"Job {job.id} succeeded, but its result, kept in the object store as "
-                f"{stored.key}, is gone: the bucket must keep results as long as job records "
-                "(LORAFLEET_JOB_TTL_S; see the lifecycle rule in the README).",
+                f"{stored.key}, could not be read ({exc}): it is gone (the bucket must keep "
+                "results as long as job records, LORAFLEET_JOB_TTL_S; see the lifecycle rule "
+                "in the README) or the gateway may not read it (s3:GetObject).",
             ) from None
         except Exception as exc:  # botocore's errors, which this module does not import
             raise ApiError(
@@ -65,10 +78,16 @@ class ResultReader:
 
     def _get(self, stored: StoredResult) -> bytes:
         client = self._s3()
+        from botocore.exceptions import ClientError
+
         try:
             reply = client.get_object(Bucket=self._settings.s3_bucket, Key=stored.key)
-        except client.exceptions.NoSuchKey:
-            raise _Missing from None
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status in (403, 404):
+                code = exc.response.get("Error", {}).get("Code", "")
+                raise _Missing(f"S3 answered {status} {code}".strip()) from None
+            raise
         body: bytes = reply["Body"].read()
         return body
 
@@ -83,10 +102,11 @@ class ResultReader:
                     "s3",
                     endpoint_url=settings.s3_endpoint_url,
                     region_name=settings.s3_region,
+                    # Shorter than a worker's: a caller waits on these.
                     config=Config(
                         retries={"max_attempts": settings.s3_max_attempts, "mode": "standard"},
-                        connect_timeout=5,
-                        read_timeout=30,
+                        connect_timeout=2,
+                        read_timeout=10,
                     ),
                 )
             return self._client

@@ -15,7 +15,9 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from contracts.jobs import JobPublic, JobResult, ResultMetadata
+from contracts.settings import ServiceSettings
 from contracts.storage import decode_result, encode_result, stored_result
+from worker.object_store import s3_client
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,17 @@ def may_exceed(result: JobResult, limit_bytes: int) -> bool:
     return bound > limit_bytes
 
 
+def results_client(settings: ServiceSettings) -> Any:
+    """The worker's S3 client for results: a finished job waits on it, so it gives up soon
+    (two calls of at most 2 s to connect and 5 s to answer each)."""
+    return s3_client(settings, connect_timeout_s=2.0, read_timeout_s=5.0, max_attempts=1)
+
+
+WRITE_BUDGET_S = 20.0
+"""A result is written to S3 only if its job has this long before the deadline sweeper
+could end it; otherwise it stays in Redis, where an outcome is stored in milliseconds."""
+
+
 class ResultStore:
     def __init__(self, s3: Any, bucket: str, offload_bytes: int) -> None:
         self._s3 = s3
@@ -46,11 +59,19 @@ class ResultStore:
         self._offload_bytes = offload_bytes
 
     def place(
-        self, tenant: str, result: JobResult, metadata: ResultMetadata
+        self,
+        tenant: str,
+        result: JobResult,
+        metadata: ResultMetadata,
+        budget_s: float = float("inf"),
     ) -> tuple[JobResult | None, ResultMetadata]:
         """What the record keeps: ``(result, metadata)`` as given, or, for a large result
-        now in the object store, ``(None, metadata naming where it is)``."""
+        now in the object store, ``(None, metadata naming where it is)``. ``budget_s``: how
+        long the job's outcome may still take to store (see ``WRITE_BUDGET_S``)."""
         if not self._offload_bytes or not may_exceed(result, self._offload_bytes):
+            return result, metadata
+        if budget_s < WRITE_BUDGET_S:
+            log.info("result kept in Redis: %.1f s left to store it", budget_s)
             return result, metadata
         stored, body = encode_result(tenant, result)
         if stored.size_bytes <= self._offload_bytes:

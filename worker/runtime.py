@@ -46,7 +46,7 @@ from worker.prefetch import NoPrefetch, Prefetcher
 from worker.reaper import QueueKeeper, Reaper, hand_back
 from worker.registry import preload_sets, record_pools
 from worker.residency import EngineAdapters
-from worker.result_store import ResultStore
+from worker.result_store import ResultStore, results_client
 from worker.runner import JobRunner
 from worker.script_batch import ScriptBatch, script_client
 from worker.streams import STREAM_TTL_S, DeltaPublisher
@@ -102,11 +102,12 @@ class WorkerRuntime:
             settings.lease_ttl_s,
             batch=self.scripts,
         )
-        s3 = s3_client(settings)
-        self.results = ResultStore(s3, settings.s3_bucket, settings.result_offload_bytes)
+        self.results = ResultStore(
+            results_client(settings), settings.s3_bucket, settings.result_offload_bytes
+        )
         self.cache = AdapterCache(
             settings.cache_dir,
-            s3,
+            s3_client(settings),
             settings.s3_bucket,
             max_bytes=settings.disk_cache_bytes,
             wait_s=settings.disk_wait_s,

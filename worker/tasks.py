@@ -152,7 +152,9 @@ def _attempt(rt: WorkerRuntime, message: JobMessage, running: JobPublic, began: 
                 metrics.job_finished(message, "failed", ErrorCode.ENGINE_ERROR, None)
             sentry_sdk.capture_exception(exc)
             return
-    kept, metadata = rt.results.place(message.tenant, result, metadata)
+        # Still tracked (its lease renewed, a drain waiting for it) while S3 takes it.
+        budget_s = message.deadline_at + rt.settings.sweep_grace_s - time.time()
+        kept, metadata = rt.results.place(message.tenant, result, metadata, budget_s)
     if rt.jobs.succeed(running, kept, metadata):
         metrics.job_finished(message, "succeeded", None, metadata)
     if handle.cpu_resumed is not None:

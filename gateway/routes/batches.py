@@ -193,15 +193,21 @@ async def get_batch(batch_id: str, tenant: TenantDep, batches: BatchesDep) -> Ba
 @router.get(
     "/{batch_id}/results",
     response_class=StreamingResponse,
-    responses=_NDJSON | responses(*AUTHENTICATED, ErrorCode.BATCH_NOT_FOUND),
+    responses=_NDJSON
+    | responses(*AUTHENTICATED, ErrorCode.BATCH_NOT_FOUND, ErrorCode.INTERNAL_ERROR),
 )
 async def batch_results(batch_id: str, tenant: TenantDep, batches: BatchesDep) -> StreamingResponse:
     """JSONL, in submission order: ``custom_id``, ``job_id``, ``status``, ``result``,
     ``error``, ``metadata`` of each request (``status`` queued or running until it ends)."""
     await _existing(batches.get(tenant, batch_id), batch_id)
+    chunks = batches.lines(batch_id, with_results=True)
+    # The first chunk (500 lines) is read before answering: a result that cannot be read
+    # there is an error status, not a cut body (later chunks can only cut it).
+    first = await anext(chunks, None)
 
     async def lines() -> AsyncIterator[bytes]:
-        async for chunk in batches.lines(batch_id, with_results=True):
+        chunk = first
+        while chunk is not None:
             out = []
             for line, job in chunk:
                 entry = {
@@ -216,6 +222,7 @@ async def batch_results(batch_id: str, tenant: TenantDep, batches: BatchesDep) -
                 }
                 out.append(json.dumps(entry, separators=(",", ":")) + "\n")
             yield "".join(out).encode()
+            chunk = await anext(chunks, None)
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 

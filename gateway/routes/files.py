@@ -60,7 +60,8 @@ async def get_file(file_id: str, tenant: TenantDep, files: FilesDep) -> FileObje
 @router.get(
     "/{file_id}/content",
     response_class=Response,
-    responses=_JSONL | _ERRORS,
+    responses=_JSONL
+    | responses(*AUTHENTICATED, ErrorCode.FILE_NOT_FOUND, ErrorCode.INTERNAL_ERROR),
 )
 async def file_content(file_id: str, tenant: TenantDep, files: FilesDep) -> Response:
     """The file's bytes: an upload, or a finished batch's output / error JSONL."""

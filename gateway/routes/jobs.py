@@ -94,7 +94,8 @@ MAX_WAIT_S = 60.0
     "/{job_id}",
     response_model=JobPublic,
     response_model_exclude_none=False,
-    responses=responses(*AUTHENTICATED, ErrorCode.JOB_NOT_FOUND),
+    # internal_error: a result kept in the object store is gone or damaged.
+    responses=responses(*AUTHENTICATED, ErrorCode.JOB_NOT_FOUND, ErrorCode.INTERNAL_ERROR),
 )
 async def get_job(
     job_id: str,

@@ -50,7 +50,8 @@ def test_terminal_states_are_final_and_published_once(redis: Redis) -> None:
         message = events.get_message(timeout=0.1)
         if message is not None and message["type"] == "message":
             published.append(message["data"])
-    assert published == [job.id]
+    # Other tests' jobs (the session stack's worker) may end meanwhile: only this one counts.
+    assert [item for item in published if item == job.id] == [job.id]
 
 
 def test_a_stale_writer_loses_the_compare_and_set(redis: Redis) -> None:

@@ -36,7 +36,7 @@ def _offloaded(redis: Redis, s3: Any, stack: LocalStack, job_id: str, text: str)
     assert stored is not None and stored.key.startswith(f"results/{record.tenant}/sha256/")
     assert stored.size_bytes > int(STACK_ENV["LORAFLEET_RESULT_OFFLOAD_BYTES"])
     raw = redis.hget(job_key(job_id), "record")
-    assert isinstance(raw, str) and text[:40] not in raw
+    assert isinstance(raw, str) and json.dumps(text)[1:41] not in raw  # as the record spells it
     head = s3.head_object(Bucket=stack.settings.s3_bucket, Key=stored.key)
     assert head["ContentLength"] == stored.size_bytes
 
@@ -131,3 +131,6 @@ def test_batch_results_and_output_file_give_back_results_kept_in_s3(
     for out in lines:
         assert out["error"] is None
         assert out["response"]["body"]["result"]["token_ids"] == expected
+    # Successes whose results are in S3 are successes: the error file stays empty.
+    errors = api.get(f"/v1/files/{batch['error_file_id']}/content")
+    assert errors.status_code == 200 and errors.text == ""

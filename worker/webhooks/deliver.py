@@ -9,6 +9,7 @@ import json
 import logging
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -68,6 +69,16 @@ def _retry_after_s(value: str | None) -> float | None:
     return max(0.0, (when - datetime.now(tz=UTC)).total_seconds())
 
 
+def _for_good(exc: Exception) -> bool:
+    """Whether reading a stored result failed in a way asking again cannot mend."""
+    if isinstance(exc, StoredResultDamaged):
+        return True
+    if isinstance(exc, ClientError):
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return status in (403, 404)
+    return False
+
+
 class Deliverer:
     def __init__(
         self,
@@ -80,6 +91,7 @@ class Deliverer:
         self._settings = settings
         self._resolver = resolver
         self._results = results
+        self._results_lock = threading.Lock()
         self._http = httpx.Client(
             follow_redirects=False, timeout=settings.webhook_timeout_s, trust_env=False
         )
@@ -92,8 +104,10 @@ class Deliverer:
         try:
             body = self._payload(event)
         except (BotoCoreError, ClientError, StoredResultDamaged) as exc:
-            # Ours, not the receiver's: try again later, within the event's window.
             why = f"the job's result could not be read from the object store: {exc}"
+            if _for_good(exc):  # gone, unreadable to us, or not the bytes named
+                return Conclusion(DeliveryState.DEAD, None, why)
+            # Ours, not the receiver's: try again later, within the event's window.
             return self._retry(event, None, why, None)
         if body is None:
             gone = f"the {event.kind} record has expired or was withdrawn"
@@ -154,10 +168,11 @@ class Deliverer:
         return json.dumps(envelope, separators=(",", ":")).encode()
 
     def _result_store(self) -> ResultStore:
-        if self._results is None:  # built when a first event needs it
-            settings = self._settings
-            self._results = ResultStore(s3_client(settings), settings.s3_bucket, 0)
-        return self._results
+        with self._results_lock:  # one deliverer serves every delivery thread
+            if self._results is None:  # built when a first event needs it
+                settings = self._settings
+                self._results = ResultStore(s3_client(settings), settings.s3_bucket, 0)
+            return self._results
 
     def _secrets(self, tenant: str, now: float) -> list[str]:
         key = webhook_secrets_key(tenant)
