@@ -143,8 +143,23 @@ def test_unreachable_store_is_adapter_unavailable(tmp_path: Path) -> None:
     assert _leftovers(tmp_path / "cache") == []
 
 
-def _proxied_client(infra: LocalStack, proxy: TcpProxy) -> Any:
-    """An S3 client that reaches the moto server through ``proxy``."""
+@pytest.fixture
+def proxy(infra: LocalStack) -> Iterator[TcpProxy]:
+    """A TCP proxy in front of the moto server: ``down()`` is an S3 outage."""
+    port = int(infra.s3_endpoint_url.rsplit(":", 1)[1])
+    proxy = TcpProxy(("127.0.0.1", port))
+    proxy.up()
+    yield proxy
+    proxy.down()
+
+
+def _cache_in_outage(
+    infra: LocalStack, s3: Any, tmp_path: Path, proxy: TcpProxy, name: str
+) -> tuple[AdapterCache, str]:
+    """A cache whose S3 is reached through ``proxy``, and an adapter published there; the
+    proxy is down when it returns."""
+    bucket = infra.settings.s3_bucket
+    digest = _publish(s3, bucket, _artifact(tmp_path, name, name.encode() * 100))
     client = boto3.client(
         "s3",
         endpoint_url=f"http://127.0.0.1:{proxy.port}",
@@ -153,25 +168,14 @@ def _proxied_client(infra: LocalStack, proxy: TcpProxy) -> Any:
         aws_secret_access_key=LOCAL_AWS["AWS_SECRET_ACCESS_KEY"],
         config=Config(retries={"max_attempts": 1}, connect_timeout=1),
     )
-    return client
-
-
-@pytest.fixture
-def proxy(infra: LocalStack) -> Iterator[TcpProxy]:
-    port = int(infra.s3_endpoint_url.rsplit(":", 1)[1])
-    proxy = TcpProxy(("127.0.0.1", port))
-    proxy.up()
-    yield proxy
     proxy.down()
+    return AdapterCache(tmp_path / "cache", client, bucket, BOUND), digest
 
 
 def test_a_short_store_outage_is_waited_out_within_the_jobs_deadline(
     infra: LocalStack, s3: Any, tmp_path: Path, proxy: TcpProxy
 ) -> None:
-    bucket = infra.settings.s3_bucket
-    digest = _publish(s3, bucket, _artifact(tmp_path, "outage", b"outage-weights" * 100))
-    cache = AdapterCache(tmp_path / "cache", _proxied_client(infra, proxy), bucket, BOUND)
-    proxy.down()
+    cache, digest = _cache_in_outage(infra, s3, tmp_path, proxy, "outage")
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(cache.ensure, digest, time.time() + 60)
         time.sleep(2.0)  # some asks refused meanwhile
@@ -185,10 +189,7 @@ def test_a_short_store_outage_is_waited_out_within_the_jobs_deadline(
 def test_a_store_outage_longer_than_the_deadline_fails_the_job_adapter_unavailable(
     infra: LocalStack, s3: Any, tmp_path: Path, proxy: TcpProxy
 ) -> None:
-    bucket = infra.settings.s3_bucket
-    digest = _publish(s3, bucket, _artifact(tmp_path, "long-outage", b"long-weights" * 100))
-    cache = AdapterCache(tmp_path / "cache", _proxied_client(infra, proxy), bucket, BOUND)
-    proxy.down()
+    cache, digest = _cache_in_outage(infra, s3, tmp_path, proxy, "long-outage")
     with pytest.raises(AdapterUnavailableError) as caught:
         cache.ensure(digest, deadline_at=time.time() + 3)
     assert caught.value.code == "adapter_unavailable"
@@ -199,10 +200,7 @@ def test_a_store_outage_longer_than_the_deadline_fails_the_job_adapter_unavailab
 def test_a_stopped_job_stops_waiting_out_an_outage(
     infra: LocalStack, s3: Any, tmp_path: Path, proxy: TcpProxy
 ) -> None:
-    bucket = infra.settings.s3_bucket
-    digest = _publish(s3, bucket, _artifact(tmp_path, "stopped", b"stopped-weights" * 100))
-    cache = AdapterCache(tmp_path / "cache", _proxied_client(infra, proxy), bucket, BOUND)
-    proxy.down()
+    cache, digest = _cache_in_outage(infra, s3, tmp_path, proxy, "stopped")
     stop_at = time.monotonic() + 1.5
 
     def check() -> None:
