@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 from contracts.digests import DIGEST_PREFIX
 from contracts.jobs import JobPublic, JobResult, StoredResult
@@ -62,3 +63,13 @@ def stored_result(job: JobPublic) -> StoredResult | None:
     if job.result is not None or job.metadata is None:
         return None
     return job.metadata.result_stored
+
+
+def gone_or_denied(s3_error: dict[str, Any]) -> bool:
+    """Whether an S3 error reply (botocore's ``ClientError.response``) says the object is
+    not there (404) or may not be read (403 ``AccessDenied``, also a missing key to a reader
+    without ``s3:ListBucket``): asking again cannot mend it. Other 403s (a clock skewed, a
+    signature from credentials being rotated) and 5xx can pass."""
+    status = s3_error.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    code = s3_error.get("Error", {}).get("Code")
+    return status == 404 or (status == 403 and code == "AccessDenied")

@@ -87,6 +87,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            app.state.results.close()  # first: nothing below can then skip it
             await app.state.streams.stop()
             await app.state.waiter.stop()
             await app.state.router.stop()
@@ -96,7 +97,6 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             await app.state.redis.aclose()
             await queues.close()
             app.state.submitter.close()
-            app.state.results.close()
 
     app = FastAPI(title="lorafleet gateway", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)

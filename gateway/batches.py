@@ -28,6 +28,7 @@ from contracts.errors import ErrorCode
 from contracts.job_records import RECORD_FIELDS, job_of
 from contracts.jobs import MAX_PROMPT_CHARS, JobMessage, JobPublic, JobStatus, Sampling
 from contracts.keys import batch_jobs_key, batch_key, job_key
+from contracts.storage import stored_result
 from contracts.tenants import TenantRecord
 from contracts.webhooks import WebhookTarget, batch_event_id
 from gateway import job_store
@@ -56,6 +57,8 @@ MAX_LINE_ERRORS = 100
 """A refused batch reports at most this many bad lines (and how many there were)."""
 
 READ_CHUNK = 500
+READS_PER_REQUEST = 4
+"""Object-store reads one batch's results or output file runs at once."""
 
 
 class BatchRequest(BaseModel):
@@ -543,12 +546,40 @@ class Batches:
                 records = await pipe.execute()
             jobs = [job_of(rec) for rec in records]
             if with_results:
-                jobs = list(await asyncio.gather(*(self._with_result(job) for job in jobs)))
+                jobs = await self._with_results(jobs)
             yield list(zip(lines, jobs, strict=True))
             start += READ_CHUNK
 
-    async def _with_result(self, job: JobPublic | None) -> JobPublic | None:
-        return None if job is None else await self._results.read(job)
+    async def _with_results(self, jobs: list[JobPublic | None]) -> list[JobPublic | None]:
+        """``jobs`` with the results kept in the object store read back, a few at a time
+        (one request must not take every read thread); the first failure cancels the reads
+        not yet started and is raised."""
+        gate = asyncio.Semaphore(READS_PER_REQUEST)
+
+        async def read(job: JobPublic) -> JobPublic:
+            async with gate:
+                return await self._results.read(job)
+
+        reads = {
+            index: asyncio.ensure_future(read(job))
+            for index, job in enumerate(jobs)
+            if job is not None and stored_result(job) is not None
+        }
+        if not reads:
+            return jobs
+        try:
+            done, _ = await asyncio.wait(reads.values(), return_when=asyncio.FIRST_EXCEPTION)
+            failures = [task.exception() for task in done if not task.cancelled()]
+            for failure in failures:
+                if failure is not None:
+                    raise failure
+        finally:
+            for task in reads.values():
+                task.cancel()
+        out = list(jobs)
+        for index, task in reads.items():
+            out[index] = task.result()
+        return out
 
     async def cancel(self, tenant: TenantRecord, batch_id: str) -> BatchPublic | None:
         """Cancel every job of the batch that has not started; running ones finish."""

@@ -16,7 +16,12 @@ from typing import Any
 from contracts.errors import ErrorCode
 from contracts.jobs import JobPublic, StoredResult
 from contracts.settings import ServiceSettings
-from contracts.storage import StoredResultDamaged, decode_result, stored_result
+from contracts.storage import (
+    StoredResultDamaged,
+    decode_result,
+    gone_or_denied,
+    stored_result,
+)
 from gateway.errors import RETRY_AFTER_S, ApiError
 
 
@@ -83,8 +88,8 @@ class ResultReader:
         try:
             reply = client.get_object(Bucket=self._settings.s3_bucket, Key=stored.key)
         except ClientError as exc:
-            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status in (403, 404):
+            if gone_or_denied(exc.response):
+                status = exc.response["ResponseMetadata"]["HTTPStatusCode"]
                 code = exc.response.get("Error", {}).get("Code", "")
                 raise _Missing(f"S3 answered {status} {code}".strip()) from None
             raise

@@ -111,7 +111,8 @@ class WorkerRuntime:
             settings.s3_bucket,
             max_bytes=settings.disk_cache_bytes,
             wait_s=settings.disk_wait_s,
-            stream_attempts=settings.s3_max_attempts,
+            # Tries of a body that breaks mid-read: the first and the setting's retries.
+            stream_attempts=settings.s3_max_attempts + 1,
             policy=settings.disk_eviction,
             rate_half_life_s=settings.disk_rate_half_life_s,
         )

@@ -177,7 +177,8 @@ def test_a_short_store_outage_is_waited_out_within_the_jobs_deadline(
 ) -> None:
     cache, digest = _cache_in_outage(infra, s3, tmp_path, proxy, "outage")
     with ThreadPoolExecutor(1) as pool:
-        waiting = pool.submit(cache.ensure, digest, time.time() + 60)
+        # With a check, as a job waits: the pauses between asks call it too.
+        waiting = pool.submit(cache.ensure, digest, time.time() + 60, lambda: None)
         time.sleep(2.0)  # some asks refused meanwhile
         assert not waiting.done()
         proxy.up(retry_s=10)

@@ -119,14 +119,18 @@ def test_a_job_near_its_deadline_keeps_its_result_in_redis(store: ResultStore) -
 
 
 def test_the_webhook_worker_gives_up_only_on_what_asking_again_cannot_mend() -> None:
-    def client_error(status: int) -> ClientError:
-        response: Any = {"Error": {"Code": str(status)}, "ResponseMetadata": {}}
+    def client_error(status: int, code: str) -> ClientError:
+        response: Any = {"Error": {"Code": code}, "ResponseMetadata": {}}
         response["ResponseMetadata"]["HTTPStatusCode"] = status
         return ClientError(response, "GetObject")
 
-    assert _for_good(client_error(404)) and _for_good(client_error(403))
+    assert _for_good(client_error(404, "NoSuchKey"))
+    assert _for_good(client_error(403, "AccessDenied"))
     assert _for_good(StoredResultDamaged("other bytes"))
-    assert not _for_good(client_error(503)) and not _for_good(client_error(500))
+    assert not _for_good(client_error(403, "RequestTimeTooSkewed"))
+    assert not _for_good(client_error(403, "SignatureDoesNotMatch"))
+    assert not _for_good(client_error(503, "SlowDown"))
+    assert not _for_good(client_error(500, "InternalError"))
     assert not _for_good(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
 
 

@@ -21,7 +21,7 @@ from redis import Redis
 from contracts.batches import batch_public
 from contracts.job_records import RECORD_FIELDS, job_of
 from contracts.keys import batch_key, job_key, webhook_secrets_key
-from contracts.storage import StoredResultDamaged, stored_result
+from contracts.storage import StoredResultDamaged, gone_or_denied, stored_result
 from contracts.webhooks import (
     DeliveryState,
     IPAddress,
@@ -74,8 +74,7 @@ def _for_good(exc: Exception) -> bool:
     if isinstance(exc, StoredResultDamaged):
         return True
     if isinstance(exc, ClientError):
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return status in (403, 404)
+        return gone_or_denied(dict(exc.response))
     return False
 
 
