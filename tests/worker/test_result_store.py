@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -21,7 +20,6 @@ from contracts.jobs import (
     ResultMetadata,
     Usage,
 )
-from contracts.queues import Tier
 from contracts.registry import BaseModelRef
 from contracts.settings import ServiceSettings
 from contracts.storage import StoredResultDamaged, encode_result
@@ -29,6 +27,7 @@ from gateway.errors import ApiError
 from gateway.result_store import ResultReader
 from lorafleet.processes import free_port
 from lorafleet.stack import LOCAL_AWS, LocalStack, s3_client
+from tests.helpers import new_job
 from worker.result_store import WRITE_BUDGET_S, ResultStore, may_exceed
 from worker.webhooks.deliver import _for_good
 
@@ -62,18 +61,8 @@ def _metadata() -> ResultMetadata:
 
 
 def _job(result: JobResult | None, metadata: ResultMetadata) -> JobPublic:
-    return JobPublic(
-        id="j1",
-        status=JobStatus.SUCCEEDED,
-        tenant="acme",
-        adapter="a",
-        revision="sha256:x",
-        tier=Tier.HOT,
-        queue="q",
-        created_at=datetime.now(tz=UTC),
-        result=result,
-        metadata=metadata,
-    )
+    """A succeeded job of tenant ``acme`` (``tests.helpers.new_job``)."""
+    return new_job(status=JobStatus.SUCCEEDED, tenant="acme", result=result, metadata=metadata)
 
 
 @pytest.fixture
