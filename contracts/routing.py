@@ -19,7 +19,10 @@ gateway since the last refresh) reach ``LORAFLEET_ROUTE_OVERLOAD_RATIO`` x its c
    rendezvous hashing (highest ``hash(D, worker)``), the less busy (jobs per concurrency
    plus adapters in the engine per GPU slot): gateways with the same view pick the same one,
    so concurrent first misses for an adapter make one copy (two at most), not one per
-   worker, and a worker joining or leaving moves only adapters it ranks high for.
+   worker, and a worker joining or leaving moves only adapters it ranks high for. A worker
+   this gateway placed ``D`` on is a copy from then on, before its announcement shows ``D``
+   (its fetch takes seconds): it takes ``D``'s next jobs while it is not overloaded, and it
+   counts against the cap, so announcements that lag never let a third copy be placed.
 3. **shared**: otherwise (every holder overloaded and the copies at the cap, nobody to place
    on, no fresh view of the fleet, or a pool of one worker that the pool queue reaches
    alone): the pool queue, which every worker of the pool takes from.
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 
@@ -129,9 +132,13 @@ def choose(
     digest: str,
     policy: Policy,
     routed_since: Mapping[str, int] | None = None,
+    placing: Collection[str] = (),
 ) -> Route:
     """Where a job of ``digest`` (base model ``base_model``, pool queue ``pool_queue``) goes.
-    ``routed_since``: jobs this gateway routed to each worker since ``workers`` was read."""
+    ``routed_since``: jobs this gateway routed to each worker since ``workers`` was read.
+    ``placing``: workers this gateway placed ``digest`` on whose announcements do not show it
+    yet (its fetch takes a while): copies being made, which count against the cap and take
+    the adapter's next jobs before another copy is placed."""
     extra = routed_since or {}
     pool = [w for w in workers if pool_queue in w.queues and w.base_model == base_model]
     if len(pool) <= 1:
@@ -140,20 +147,24 @@ def choose(
     def free(worker: WorkerState) -> bool:
         return not overloaded(worker, extra.get(worker.worker_id, 0), policy)
 
+    def load(worker: WorkerState) -> float:
+        return (worker.outstanding + extra.get(worker.worker_id, 0)) / max(1, worker.concurrency)
+
     holders = [w for w in pool if digest in w.adapters]
+    coming = [w for w in pool if digest not in w.adapters and w.worker_id in placing]
     ready = [w for w in holders if free(w)]
     if ready:
         best = min(
             ready,
-            key=lambda w: (
-                -w.adapters[digest],
-                (w.outstanding + extra.get(w.worker_id, 0)) / max(1, w.concurrency),
-                -rendezvous_score(digest, w.worker_id),
-            ),
+            key=lambda w: (-w.adapters[digest], load(w), -rendezvous_score(digest, w.worker_id)),
         )
         return Route(Decision.RESIDENT, best)
-    if len(holders) < policy.max_copies:
-        others = [w for w in pool if digest not in w.adapters and free(w)]
+    ready = [w for w in coming if free(w)]
+    if ready:
+        best = min(ready, key=lambda w: (load(w), -rendezvous_score(digest, w.worker_id)))
+        return Route(Decision.PLACED, best)
+    if len(holders) + len(coming) < policy.max_copies:
+        others = [w for w in pool if digest not in w.adapters and w not in coming and free(w)]
         if others:
             # The first two by rendezvous rank, the less busy of them (ties: the first): two
             # choices bound how many adapters pile onto one worker far better than one, and

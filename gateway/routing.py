@@ -8,7 +8,9 @@ Every ``LORAFLEET_ROUTE_REFRESH_S`` one task reads every live worker's announcem
 length of its own queue (two pipelined round trips, whatever the traffic); admissions route
 on that view in memory (``contracts.routing.choose``), so routing adds no Redis round trip
 to an admission. Between two reads the gateway counts what it routed to each worker, so a
-burst does not pile onto the worker that looked idlest at the last read.
+burst does not pile onto the worker that looked idlest at the last read, and it remembers
+where it placed each adapter until the view shows the adapter there (``choose``'s
+``placing``), so a view that lags a fetch never lets a copy past the cap be placed.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ from gateway.config import GatewaySettings
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
+
+PLACING_TTL_S = 30.0
+"""How long a placement counts as a copy while the worker's announcement does not show it:
+longer than an adapter's fetch takes. A placement whose job went back to the shared queue
+before its fetch began stops counting after it."""
 
 
 def predates_routing(record: dict[str, Any]) -> bool:
@@ -99,6 +106,9 @@ class FleetRouter(LoopTask):
         self._workers: list[routing.WorkerState] = []
         self._read_at = -float("inf")  # monotonic
         self._routed: Counter[str] = Counter()
+        # Adapter digest -> worker id -> when this gateway placed it there (monotonic), until
+        # the worker's announcement shows it or ``PLACING_TTL_S`` passes.
+        self._placing: dict[str, dict[str, float]] = {}
         # Routed messages are pushed by the admission script onto lists of the job store's
         # Redis, where the queue keepers hand them back: a broker of its own is not routed to.
         self._enabled = settings.routing and settings.effective_broker_url == settings.redis_url
@@ -125,7 +135,20 @@ class FleetRouter(LoopTask):
             if state is not None:
                 workers.append(state)
         self._workers, self._read_at, self._routed = workers, time.monotonic(), Counter()
+        self._forget_placements(workers)
         self._metrics.fleet_copies(routing.copies(workers))
+
+    def _forget_placements(self, workers: list[routing.WorkerState]) -> None:
+        """Drop the placements the view now shows as held, those of workers gone from it, and
+        those older than ``PLACING_TTL_S`` (a job handed back before its fetch began)."""
+        held = {worker.worker_id: worker.adapters for worker in workers}
+        oldest = time.monotonic() - PLACING_TTL_S
+        for digest, placed in list(self._placing.items()):
+            for worker_id, at in list(placed.items()):
+                if at < oldest or worker_id not in held or digest in held[worker_id]:
+                    del placed[worker_id]
+            if not placed:
+                del self._placing[digest]
 
     def route(self, base_model: str, tier: Tier, digest: str) -> Routed | None:
         """The routing of a job about to be admitted; ``None``: its pool queue
@@ -140,11 +163,14 @@ class FleetRouter(LoopTask):
                 digest,
                 self._policy,
                 self._routed,
+                self._placing.get(digest, {}),
             )
         self._metrics.routing.labels(tier.value, decision.decision.value).inc()
         if decision.worker is None:
             return None
         self._routed[decision.worker.worker_id] += 1
+        if decision.decision == routing.Decision.PLACED:
+            self._placing.setdefault(digest, {})[decision.worker.worker_id] = time.monotonic()
         return Routed.model_validate(
             {"decision": decision.decision.value, "worker": decision.worker.worker_id}
         )

@@ -148,8 +148,9 @@ class AdapterCache:
 
     Eviction (``policy``): ``cost`` evicts the unheld entry that costs least to bring back
     per byte it frees: its decayed request rate (jobs asking for it, plus jobs a prefetch
-    saw waiting for it: ``expect``) times its measured fetch time, divided by its size, the
-    least recently used first among equals; ``lru`` evicts the least recently used.
+    saw waiting for it: ``expect``) times its fetch time, divided by its size, the least
+    recently used first among equals; ``lru`` evicts the least recently used. The fetch
+    time is its measured one shrunk toward the mean for its size (``_costs``).
     """
 
     def __init__(
@@ -392,7 +393,12 @@ class AdapterCache:
         for digest, size in self._entries.items():
             value, at = self._rate.get(digest, (0.0, now))
             rate = value * math.exp((at - now) / self._decay_s)
-            fetch_ms = self._fetch_ms.get(digest, per_byte * size)
+            # One timed fetch is one sample: on a busy host equal objects from the same store
+            # vary tenfold and more. It is shrunk toward what the store's mean says for the
+            # size (their geometric mean), so a fluke cannot outweigh a request rate.
+            expected = per_byte * size
+            timed_ms = self._fetch_ms.get(digest)
+            fetch_ms = expected if timed_ms is None else math.sqrt(max(timed_ms, 0.0) * expected)
             costs[digest] = rate * fetch_ms / max(size, 1)
         return costs
 

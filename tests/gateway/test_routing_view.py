@@ -78,3 +78,63 @@ def test_the_view_routes_to_live_workers_and_to_none_while_an_old_one_lives(
     # Queues on a broker of their own: not routed (the keepers could not hand them back).
     broker = GatewaySettings(redis_url=url, broker_url=url.rsplit("/", 1)[0] + "/9")
     assert _routes(url, broker, record) is None
+
+
+def test_a_placement_counts_as_a_copy_before_the_workers_announcement_shows_it(
+    private_redis: Redis, published: dict[str, AdapterRecord], infra: Any
+) -> None:
+    """CI once counted 3 S3 GETs of one adapter with a cap of 2 copies: a placed worker's
+    announcement lags its fetch, and a view with the first copy (overloaded) and not yet the
+    second placed a third on the idlest worker."""
+    record = next(iter(published.values()))
+    db = str(private_redis.connection_pool.connection_kwargs.get("db"))
+    url = infra.redis_url.rsplit("/", 1)[0] + f"/{db}"
+    settings = GatewaySettings(redis_url=url, route_max_copies=2)
+    base, digest = record.base_model.digest, record.digest
+    workers = ["h:1:a", "h:2:b", "h:3:c"]
+
+    def announce(held: dict[str, int]) -> None:
+        """Every worker; ``held``: who holds the adapter (on disk), with its running jobs."""
+        for worker_id in workers:
+            running = held.get(worker_id, 0)
+            adapters = {digest: "disk"} if worker_id in held else {}
+            _announce(private_redis, worker_id, base, adapters=adapters, jobs_running=running)
+
+    async def go() -> list[Any]:
+        redis = AsyncRedis.from_url(url, decode_responses=True)
+        router = FleetRouter(redis, settings, GatewayMetrics(0))
+        routes = []
+        try:
+            announce({})
+            await router.refresh()
+            routes.append(router.route(base, record.tier, digest))  # the first copy
+            first = routes[-1].worker
+            # It holds the adapter now, and is overloaded (8 running of 8).
+            announce({first: 8})
+            await router.refresh()
+            routes.append(router.route(base, record.tier, digest))  # the second copy
+            second = routes[-1].worker
+            # The second's fetch is not done: its announcement does not show the adapter yet,
+            # and it is busier than the third worker.
+            for worker_id in workers:
+                running = {first: 8, second: 4}.get(worker_id, 0)
+                adapters = {digest: "disk"} if worker_id == first else {}
+                _announce(private_redis, worker_id, base, adapters=adapters, jobs_running=running)
+            await router.refresh()
+            routes.append(router.route(base, record.tier, digest))
+            # Once it shows the adapter, it is a holder like the first.
+            announce({first: 8, second: 4})
+            await router.refresh()
+            routes.append(router.route(base, record.tier, digest))
+            # And the placements it remembered are forgotten.
+            routes.append(getattr(router, "_placing", None))
+        finally:
+            await redis.aclose()
+        return routes
+
+    *routes, placing = asyncio.run(go())
+    assert [r.decision for r in routes] == ["placed", "placed", "placed", "resident"], routes
+    first, second = routes[0].worker, routes[1].worker
+    assert first != second
+    assert {r.worker for r in routes} == {first, second}, routes
+    assert placing == {}

@@ -62,7 +62,9 @@ WORKER_ENV = {
     "LORAFLEET_RESTORE_INTERVAL_S": "1",
     "LORAFLEET_LEASE_TTL_S": "8",
     "LORAFLEET_VISIBILITY_TIMEOUT_S": str(DEADLINE_S + 15),
-    "LORAFLEET_ROUTE_MAX_WAIT_S": "3",
+    # A routed job waiting longer goes back to the shared queue, where any worker may take it
+    # and make one more copy: long enough that a loaded machine does not do it here.
+    "LORAFLEET_ROUTE_MAX_WAIT_S": "15",
     "LORAFLEET_ENGINE_PROBE_TIMEOUT_S": "30",
 }
 GATEWAY_ENV = {
@@ -248,7 +250,12 @@ def test_routing_bounds_each_adapters_fetches_where_a_shared_queue_fetches_it_ev
     # No holder was ever overloaded here, so routing never fell back to the shared queue
     # (which may make one copy more: README, "Routing").
     assert decisions["shared"] == 0, decisions
-    assert max(gets_on.values()) <= MAX_COPIES, gets_on
+    elsewhere = [
+        (job.adapter, job.metadata.routed_to, job.worker)
+        for job in on
+        if job.metadata and job.metadata.routed_to != job.worker
+    ]
+    assert max(gets_on.values()) <= MAX_COPIES, (gets_on, elsewhere)
     # The same traffic without routing: popular adapters fetched by every worker.
     assert max(gets_off.values()) > MAX_COPIES, gets_off
     assert sum(gets_on.values()) < sum(gets_off.values())

@@ -79,6 +79,9 @@ def experiment(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "cpu_capacity": None,
     }
     data["trials"] = ["warmed", "reset"]
+    # A budget no run on this machine misses, however loaded: the verdict then rests on
+    # evidence (and on sends being on time), not on speed.
+    data["acceptance"]["default"]["ttft_p95_ms"] = 600_000.0
     manifest = root / "manifest.yaml"
     manifest.write_text(yaml.safe_dump(data, sort_keys=False))
     out = root / "out"
@@ -100,11 +103,18 @@ def experiment(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_every_generated_request_is_accounted_for(experiment: dict[str, Any]) -> None:
     run, results = experiment["run"], experiment["results"]
-    # 16 requests a trial cannot give every adapter the 20 answers a candidate needs:
-    # no decision, exit status 3 (nothing else went wrong).
-    assert run.returncode == 3, run.stdout + run.stderr
-    assert results.decision.verdict == analysis.INSUFFICIENT
     started, _rejected = results.cells
+    # 16 requests a trial cannot give every adapter the 20 answers a candidate needs: with no
+    # trial failed, no decision, exit status 3. A loaded machine may send a request over 50 ms
+    # late or miss the (generous) budget, and then the table's answer is "do not share", exit
+    # status 0 (CI saw it once): which one is read off the trials, not assumed.
+    failed = [t for t in started.trials if analysis._failed(t)]
+    if failed:
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert results.decision.verdict == analysis.NOT_SHARED, results.decision
+    else:
+        assert run.returncode == 3, run.stdout + run.stderr
+        assert results.decision.verdict == analysis.INSUFFICIENT, results.decision
     assert started.startup.outcome == "started"
     assert {(t.trial, t.profile) for t in started.trials} == {
         (trial, profile)
