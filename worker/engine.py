@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
@@ -129,6 +130,7 @@ class EngineHost:
         self._pending: set[Future[Any]] = set()
         self._failure: str | None = None
         self._on_failure: list[Callable[[str], None]] = []
+        self._output_at = -float("inf")  # monotonic: the engine's last output to a job
 
     def start(self) -> None:
         """Start the loop thread and build the engine on it (blocks until ready)."""
@@ -250,7 +252,8 @@ class EngineHost:
 
     def probe(self, timeout_s: float) -> None:
         """One round trip through the loop and the engine core (served between engine steps),
-        within ``timeout_s``; fails the engine if it is dead or does not answer in time.
+        within ``timeout_s``; fails the engine if it is dead, or if it does not answer in time
+        and gave no job an output meanwhile (outputs still flowing mean it is busy, not wedged).
 
         The question is one the engine core answers itself (``is_sleeping``), not one it asks
         its model workers (``list_loras`` did): a worker woken by a request busy-polls its
@@ -267,11 +270,27 @@ class EngineHost:
         try:
             self.run(ask(), timeout_s)
         except TimeoutError:
+            quiet_s = time.monotonic() - self._output_at
+            if quiet_s < timeout_s:
+                # Tokens still reach jobs: the loop and the core are working, the core only
+                # answered slowly (an overloaded host: CI saw it once with four engines
+                # bound to one core). A wedged engine produces nothing.
+                log.warning(
+                    "the engine did not answer a health probe within %g s, but its last "
+                    "output came %.1f s ago: busy, not wedged",
+                    timeout_s,
+                    quiet_s,
+                )
+                return
             self.fail(
                 f"the engine did not answer a health probe within {timeout_s:g} s (its event "
                 "loop or its engine core is stuck)"
             )
         self._refuse_if_failed()
+
+    def progressed(self) -> None:
+        """The engine gave a job an output (called on the engine loop, per output)."""
+        self._output_at = time.monotonic()
 
     def unfinished_requests(self, timeout_s: float = 5.0) -> int:
         """Requests the engine still holds (running or waiting), asked on its own loop."""
