@@ -273,7 +273,7 @@ class EngineHost:
             quiet_s = time.monotonic() - self._output_at
             if quiet_s < timeout_s:
                 # Tokens still reach jobs: the loop and the core are working, the core only
-                # answered slowly (an overloaded host: CI saw it once with four engines
+                # answered slowly (an overloaded host: CI saw it once with several engines
                 # bound to one core). A wedged engine produces nothing.
                 log.warning(
                     "the engine did not answer a health probe within %g s, but its last "

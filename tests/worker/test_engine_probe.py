@@ -2,7 +2,7 @@
 a real core cannot be made to answer slowly while it streams, on demand).
 
 An engine that does not answer a probe in time is wedged only if it gave no job an output
-meanwhile: CI once saw a loaded engine (four engines bound to one core) fail its probe while
+meanwhile: CI once saw a loaded engine (several engines bound to one core) fail its probe while
 its jobs were generating, and the worker's exit cost those jobs an attempt each.
 """
 
