@@ -21,8 +21,9 @@ gateway since the last refresh) reach ``LORAFLEET_ROUTE_OVERLOAD_RATIO`` x its c
    so concurrent first misses for an adapter make one copy (two at most), not one per
    worker, and a worker joining or leaving moves only adapters it ranks high for. A worker
    this gateway placed ``D`` on is a copy from then on, before its announcement shows ``D``
-   (its fetch takes seconds): it takes ``D``'s next jobs while it is not overloaded, and it
-   counts against the cap, so announcements that lag never let a third copy be placed.
+   (its fetch takes seconds): it takes ``D``'s next jobs while it is not overloaded (also
+   ``placed``), and it counts against the cap, so announcements that lag never let this
+   gateway place a copy past it (each gateway knows only its own placements).
 3. **shared**: otherwise (every holder overloaded and the copies at the cap, nobody to place
    on, no fresh view of the fleet, or a pool of one worker that the pool queue reaches
    alone): the pool queue, which every worker of the pool takes from.

@@ -52,7 +52,8 @@ class GatewayMetrics:
         )
         self.routing = Counter(
             names.ROUTING_DECISIONS,
-            "Jobs routed at admission, by tier and decision (resident, placed, shared).",
+            "Jobs routed at admission, by tier and decision (resident, placed: to a copy being "
+            "made, shared).",
             ["tier", "decision"],
             registry=r,
         )

@@ -10,7 +10,9 @@ on that view in memory (``contracts.routing.choose``), so routing adds no Redis 
 to an admission. Between two reads the gateway counts what it routed to each worker, so a
 burst does not pile onto the worker that looked idlest at the last read, and it remembers
 where it placed each adapter until the view shows the adapter there (``choose``'s
-``placing``), so a view that lags a fetch never lets a copy past the cap be placed.
+``placing``), so a view that lags a fetch never lets this gateway place a copy past the cap.
+Each gateway knows only its own placements: two gateways placing the same adapter in the same
+instant can make a copy more each (the rendezvous ranking keeps them on the same workers).
 """
 
 from __future__ import annotations
@@ -139,13 +141,14 @@ class FleetRouter(LoopTask):
         self._metrics.fleet_copies(routing.copies(workers))
 
     def _forget_placements(self, workers: list[routing.WorkerState]) -> None:
-        """Drop the placements the view now shows as held, those of workers gone from it, and
-        those older than ``PLACING_TTL_S`` (a job handed back before its fetch began)."""
+        """Drop the placements the view now shows as held, and those older than
+        ``PLACING_TTL_S`` (a job handed back before its fetch began, a worker gone). A worker
+        missing from one view (a late announcement) keeps its placements: its fetch goes on."""
         held = {worker.worker_id: worker.adapters for worker in workers}
         oldest = time.monotonic() - PLACING_TTL_S
         for digest, placed in list(self._placing.items()):
             for worker_id, at in list(placed.items()):
-                if at < oldest or worker_id not in held or digest in held[worker_id]:
+                if at < oldest or digest in held.get(worker_id, {}):
                     del placed[worker_id]
             if not placed:
                 del self._placing[digest]
@@ -170,7 +173,9 @@ class FleetRouter(LoopTask):
             return None
         self._routed[decision.worker.worker_id] += 1
         if decision.decision == routing.Decision.PLACED:
-            self._placing.setdefault(digest, {})[decision.worker.worker_id] = time.monotonic()
+            # From the first placement on: later jobs sent after it do not extend its life.
+            placed = self._placing.setdefault(digest, {})
+            placed.setdefault(decision.worker.worker_id, time.monotonic())
         return Routed.model_validate(
             {"decision": decision.decision.value, "worker": decision.worker.worker_id}
         )

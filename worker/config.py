@@ -181,8 +181,9 @@ class WorkerSettings(ServiceSettings):
     engine_probe_timeout_s: float = Field(
         default=30.0,
         gt=0,
-        description="A probe unanswered this long, with no output to any job meanwhile, means "
-        "the engine is wedged: the worker stops consuming, hands its jobs back and exits.",
+        description="A probe unanswered this long, with no engine step returning outputs in "
+        "its last half, means the engine is wedged: the worker stops consuming, hands its jobs "
+        "back and exits.",
     )
     engine_failure_exit_s: float = Field(
         default=30.0,

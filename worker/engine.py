@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -29,6 +30,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.metrics.loggers import StatLoggerBase
 
 from worker.config import LoraRank, WorkerSettings
 
@@ -116,6 +118,28 @@ ENGINE_NAME = "vllm"
 ENGINE_VERSION = vllm.__version__
 
 
+class _Progress(StatLoggerBase):
+    """vLLM calls ``record`` on the engine loop for every batch of outputs the engine core
+    returns (a step): the watchdog's evidence that the engine works, for streamed jobs and
+    for jobs that see only their final output alike."""
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0, *, host: EngineHost) -> None:
+        self._host = host
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if iteration_stats is not None:  # the step returned outputs
+            self._host.progressed()
+
+    def log_engine_initialized(self) -> None:
+        return None
+
+
 class EngineHost:
     """Owns the event-loop thread and the engine on it; thread-safe ``run`` for callers."""
 
@@ -141,7 +165,9 @@ class EngineHost:
         # As a server, not as vLLM's library engine: unset batch limits then take the values
         # `vllm serve` would on this hardware (the library context's fall back to 128 / 2048).
         return AsyncLLM.from_engine_args(
-            self._options.engine_args(), usage_context=UsageContext.OPENAI_API_SERVER
+            self._options.engine_args(),
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            stat_loggers=[functools.partial(_Progress, host=self)],
         )
 
     @property
@@ -253,7 +279,8 @@ class EngineHost:
     def probe(self, timeout_s: float) -> None:
         """One round trip through the loop and the engine core (served between engine steps),
         within ``timeout_s``; fails the engine if it is dead, or if it does not answer in time
-        and gave no job an output meanwhile (outputs still flowing mean it is busy, not wedged).
+        and returned no step's outputs in the last half of that time (outputs still flowing
+        mean it is busy, not wedged).
 
         The question is one the engine core answers itself (``is_sleeping``), not one it asks
         its model workers (``list_loras`` did): a worker woken by a request busy-polls its
@@ -271,10 +298,11 @@ class EngineHost:
             self.run(ask(), timeout_s)
         except TimeoutError:
             quiet_s = time.monotonic() - self._output_at
-            if quiet_s < timeout_s:
-                # Tokens still reach jobs: the loop and the core are working, the core only
-                # answered slowly (an overloaded host: CI saw it once with several engines
-                # bound to one core). A wedged engine produces nothing.
+            if quiet_s < timeout_s / 2:
+                # Steps still return outputs: the loop and the core are working, the core
+                # only answered slowly (an overloaded host: CI saw it once with several
+                # engines bound to one core). A wedged engine produces nothing, and is failed
+                # by the first probe that times out half a timeout after its last output.
                 log.warning(
                     "the engine did not answer a health probe within %g s, but its last "
                     "output came %.1f s ago: busy, not wedged",
@@ -289,7 +317,7 @@ class EngineHost:
         self._refuse_if_failed()
 
     def progressed(self) -> None:
-        """The engine gave a job an output (called on the engine loop, per output)."""
+        """The engine returned outputs of a step (``_Progress``, on the engine loop)."""
         self._output_at = time.monotonic()
 
     def unfinished_requests(self, timeout_s: float = 5.0) -> int:

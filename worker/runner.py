@@ -336,7 +336,6 @@ class JobRunner:
         try:
             with self._adapters.entering(lora):
                 async for output in outputs:
-                    self._host.progressed()
                     final = output
                     prompt_token_ids = list(output.prompt_token_ids or prompt_token_ids)
                     completion = output.outputs[0]

@@ -293,12 +293,14 @@ def test_healthz_stays_fast_while_another_client_sends_huge_prompts(
     assert answer.status_code == 422 and answer.json()["error"]["code"] == code, answer.text
     # A loop blocked by the request stalls one probe for the request's whole length (5 s for
     # the batch before prompts were bounded): the probes answered meanwhile are then one or
-    # two. Compared with that length, not with a fixed time, and on the typical probe, not
-    # the slowest: on this shared machine one probe in forty stalled 127 ms with the loop
-    # never blocked, and CI once saw one of 0.69 s within a request of 0.98 s.
+    # two, one of them as long as the request. Compared with that length, not with a fixed
+    # time, and loosely for the slowest probe: on this shared machine one probe in forty
+    # stalled 127 ms with the loop never blocked, and CI once saw one of 0.69 s within a
+    # request of 0.98 s.
     timing = (took, statistics.median(loaded), max(loaded), len(loaded), unloaded[-1])
     assert len(loaded) >= 5, timing  # the probes ran while the request was being worked on
     assert statistics.median(loaded) < took / 5, timing
+    assert max(loaded) < 0.9 * took, timing  # no probe waited out (nearly) the whole request
     assert admitted_state(private_redis, "heavy") == NOTHING | {
         "records": 1,
         "pool_ledgers": 1,

@@ -122,6 +122,14 @@ def test_a_placement_counts_as_a_copy_before_the_workers_announcement_shows_it(
                 _announce(private_redis, worker_id, base, adapters=adapters, jobs_running=running)
             await router.refresh()
             routes.append(router.route(base, record.tier, digest))
+            # Both copies overloaded, the second still fetching: the cap counts it, so no
+            # third copy is placed; the job goes to the shared queue.
+            for worker_id in workers:
+                running = {first: 8, second: 8}.get(worker_id, 0)
+                adapters = {digest: "disk"} if worker_id == first else {}
+                _announce(private_redis, worker_id, base, adapters=adapters, jobs_running=running)
+            await router.refresh()
+            routes.append(router.route(base, record.tier, digest))
             # Once it shows the adapter, it is a holder like the first.
             announce({first: 8, second: 4})
             await router.refresh()
@@ -133,6 +141,8 @@ def test_a_placement_counts_as_a_copy_before_the_workers_announcement_shows_it(
         return routes
 
     *routes, placing = asyncio.run(go())
+    assert routes[3] is None, routes  # the shared queue: copies at the cap
+    del routes[3]
     assert [r.decision for r in routes] == ["placed", "placed", "placed", "resident"], routes
     first, second = routes[0].worker, routes[1].worker
     assert first != second
