@@ -93,12 +93,14 @@ def test_a_placement_counts_as_a_copy_before_the_workers_announcement_shows_it(
     base, digest = record.base_model.digest, record.digest
     workers = ["h:1:a", "h:2:b", "h:3:c"]
 
-    def announce(held: dict[str, int]) -> None:
-        """Every worker; ``held``: who holds the adapter (on disk), with its running jobs."""
+    def announce(running: dict[str, int], holders: set[str] | None = None) -> None:
+        """Every worker, with its running jobs; ``holders`` (default: those in ``running``)
+        show the adapter, on disk."""
+        shown = set(running) if holders is None else holders
         for worker_id in workers:
-            running = held.get(worker_id, 0)
-            adapters = {digest: "disk"} if worker_id in held else {}
-            _announce(private_redis, worker_id, base, adapters=adapters, jobs_running=running)
+            adapters = {digest: "disk"} if worker_id in shown else {}
+            jobs = running.get(worker_id, 0)
+            _announce(private_redis, worker_id, base, adapters=adapters, jobs_running=jobs)
 
     async def go() -> list[Any]:
         redis = AsyncRedis.from_url(url, decode_responses=True)
@@ -116,18 +118,12 @@ def test_a_placement_counts_as_a_copy_before_the_workers_announcement_shows_it(
             second = routes[-1].worker
             # The second's fetch is not done: its announcement does not show the adapter yet,
             # and it is busier than the third worker.
-            for worker_id in workers:
-                running = {first: 8, second: 4}.get(worker_id, 0)
-                adapters = {digest: "disk"} if worker_id == first else {}
-                _announce(private_redis, worker_id, base, adapters=adapters, jobs_running=running)
+            announce({first: 8, second: 4}, holders={first})
             await router.refresh()
             routes.append(router.route(base, record.tier, digest))
             # Both copies overloaded, the second still fetching: the cap counts it, so no
             # third copy is placed; the job goes to the shared queue.
-            for worker_id in workers:
-                running = {first: 8, second: 8}.get(worker_id, 0)
-                adapters = {digest: "disk"} if worker_id == first else {}
-                _announce(private_redis, worker_id, base, adapters=adapters, jobs_running=running)
+            announce({first: 8, second: 8}, holders={first})
             await router.refresh()
             routes.append(router.route(base, record.tier, digest))
             # Once it shows the adapter, it is a holder like the first.
