@@ -239,6 +239,9 @@ def run_soak(config: SoakConfig, say: Callable[[str], None] = print) -> SoakResu
             seed=config.seed,
         )
         t0[0] = time.monotonic()
+        # One clock for traffic and faults: CI once saw a stream cut by the gateway kill
+        # stamped 0.1 s before the kill, by a traffic clock started that much later.
+        traffic.started = t0[0]
         observer.start()
         supervisor.start()
         say(

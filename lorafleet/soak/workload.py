@@ -133,6 +133,8 @@ class Traffic:
         self._random = random.Random(seed)
         self.outcomes: list[Outcome] = []
         self.started = 0.0
+        """Origin of ``now`` (monotonic): the run's clock if set before ``run``, so that the
+        times of sends, answers and cut streams compare with the fault schedule's."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._by_tier: dict[str, list[str]] = {}
         for alias, tier in sorted(mix.adapters.items()):
@@ -146,7 +148,8 @@ class Traffic:
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
         timeout = httpx.Timeout(self._timeout_s, connect=5)
         async with httpx.AsyncClient(base_url=self._url, limits=limits, timeout=timeout) as http:
-            self.started = time.monotonic()
+            if not self.started:
+                self.started = time.monotonic()
             next_at = 0.0
             while next_at < duration_s:
                 delay = next_at - self.now()

@@ -3,6 +3,8 @@ the soak itself runs in tests/integration/test_soak.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 from contracts.webhooks import job_event_id
@@ -14,7 +16,7 @@ from lorafleet.soak.checks import (
     check_webhooks,
 )
 from lorafleet.soak.receiver import Delivery
-from lorafleet.soak.workload import Outcome
+from lorafleet.soak.workload import Mix, Outcome, Traffic
 
 REVISION = "sha256:" + "a" * 64
 REFS = {("tail", 0): Reference((5, 6, 7), "abc")}
@@ -109,3 +111,14 @@ def test_jobs_nobody_named_are_allowed_only_for_requests_never_answered() -> Non
     verdict = Verdict()
     check_records([named], {"j1": "running"}, verdict)
     assert "never ended" in verdict.violations[0]
+
+
+def test_the_traffic_keeps_the_runs_clock_so_its_times_compare_with_the_faults() -> None:
+    """CI once saw a stream cut by the gateway kill stamped 0.1 s before the kill: the
+    traffic restarted its own clock after the run's had started."""
+    traffic = Traffic("http://127.0.0.1:9", Mix((), {}), 1.0, "http://127.0.0.1:9/hook", 1.0)
+    origin = time.monotonic() - 5.0  # the run began 5 s ago
+    traffic.started = origin
+    asyncio.run(traffic.run(0.0, 0.0))  # nothing to send: only the clock matters
+    assert traffic.started == origin
+    assert traffic.now() >= 5.0
