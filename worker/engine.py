@@ -154,7 +154,7 @@ class EngineHost:
         self._pending: set[Future[Any]] = set()
         self._failure: str | None = None
         self._on_failure: list[Callable[[str], None]] = []
-        self._output_at = -float("inf")  # monotonic: the engine's last output to a job
+        self._output_at = -float("inf")  # monotonic: the last engine step with outputs
 
     def start(self) -> None:
         """Start the loop thread and build the engine on it (blocks until ready)."""
