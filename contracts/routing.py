@@ -160,9 +160,9 @@ def choose(
             key=lambda w: (-w.adapters[digest], load(w), -rendezvous_score(digest, w.worker_id)),
         )
         return Route(Decision.RESIDENT, best)
-    ready = [w for w in coming if free(w)]
-    if ready:
-        best = min(ready, key=lambda w: (load(w), -rendezvous_score(digest, w.worker_id)))
+    arriving = [w for w in coming if free(w)]
+    if arriving:
+        best = min(arriving, key=lambda w: (load(w), -rendezvous_score(digest, w.worker_id)))
         return Route(Decision.PLACED, best)
     if len(holders) + len(coming) < policy.max_copies:
         others = [w for w in pool if digest not in w.adapters and w not in coming and free(w)]

@@ -59,7 +59,9 @@ def host() -> Iterator[EngineHost]:
     engine_host.shutdown()
 
 
-def test_a_probe_unanswered_while_no_job_gets_output_fails_the_engine(host: EngineHost) -> None:
+def test_a_probe_unanswered_while_no_step_returns_outputs_fails_the_engine(
+    host: EngineHost,
+) -> None:
     with pytest.raises(EngineFailed, match="did not answer a health probe"):
         host.probe(PROBE_S)
     assert host.failure is not None
