@@ -34,25 +34,37 @@ def test_residency_moves_remote_then_engine_then_disk(
     fixtures_dir: Path,
     base_model: BaseModelRef,
     publisher: Publisher,
-    specs: list[AdapterSpec],
     published: dict[str, AdapterRecord],
 ) -> None:
-    probe = AdapterSpec(
-        "residency-probe", seed=777, rank=8, alpha=16, target_modules=("q_proj", "v_proj")
-    )
-    write_adapter(tmp_path / probe.name, probe, fixtures_dir / "base")
-    record = publisher.publish(tmp_path / probe.name, probe.name, Tier.COLD)
+    def publish(name: str, seed: int) -> AdapterRecord:
+        spec = AdapterSpec(name, seed=seed, rank=8, alpha=16, target_modules=("q_proj", "v_proj"))
+        write_adapter(tmp_path / name, spec, fixtures_dir / "base")
+        return publisher.publish(tmp_path / name, name, Tier.COLD)
 
-    first = _run(api, probe.name)
+    # The disk cache evicts what costs least to bring back (requests x fetch time per byte),
+    # and earlier tests in the run may have left it full of adapters asked for hundreds of
+    # times (CI once saw the probe evicted by such a disk). Five new adapters, asked for at
+    # once (held together, so they take the places of whatever was there), are what the
+    # probe's download evicts later, and what pushes it out of the engine without a download.
+    fillers = [publish(f"residency-filler-{i}", 780 + i).alias for i in range(5)]
+    assert all(
+        job.status == JobStatus.SUCCEEDED
+        for job in run_jobs(
+            api, [(name, "Summarise the conversation") for name in fillers], SAMPLING
+        )
+    )
+    probe = publish("residency-probe", 777)
+
+    first = _run(api, probe.alias)
     assert first.metadata is not None
     assert first.metadata.residency_before == "remote"
     assert first.metadata.load_ms.fetch is not None
     assert first.metadata.load_ms.verify is not None
     assert first.metadata.load_ms.engine_load is not None
-    assert first.metadata.loaded_digest == record.digest
+    assert first.metadata.loaded_digest == probe.digest
     assert first.metadata.base_model == base_model
 
-    second = _run(api, probe.name)
+    second = _run(api, probe.alias)
     assert second.metadata is not None
     assert second.metadata.residency_before == "cpu"
     assert second.metadata.load_ms.model_dump() == {
@@ -60,19 +72,18 @@ def test_residency_moves_remote_then_engine_then_disk(
         "verify": None,
         "engine_load": None,
     }
-    assert second.metadata.loaded_digest == record.digest
+    assert second.metadata.loaded_digest == probe.digest
 
     # More distinct adapters than the engine's CPU cache holds (max_cpu_loras=4, two places
-    # taken by pinned hot adapters) push the probe out of the engine; its files stay on disk.
-    # The disk cache evicts what costs least to bring back (requests x fetch time per byte):
-    # asked for more often than any of them, the probe is not what their downloads evict.
+    # taken by pinned hot adapters) push the probe out of the engine; its files stay on disk:
+    # asked for more often than the fillers, it is not what a filler's download would evict.
     assert all(
         job.status == JobStatus.SUCCEEDED
-        for job in run_jobs(api, [(probe.name, "Summarise the conversation")] * 16, SAMPLING)
+        for job in run_jobs(api, [(probe.alias, "Summarise the conversation")] * 16, SAMPLING)
     )
-    for spec in specs[2:7]:
-        _run(api, spec.name)
-    third = _run(api, probe.name)
+    for name in fillers[1:]:
+        _run(api, name)
+    third = _run(api, probe.alias)
     assert third.metadata is not None
     assert third.metadata.residency_before == "disk"
     assert third.metadata.load_ms.fetch is None
