@@ -140,6 +140,11 @@ class _Progress(StatLoggerBase):
         return None
 
 
+def _read_outcome(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 class EngineHost:
     """Owns the event-loop thread and the engine on it; thread-safe ``run`` for callers."""
 
@@ -236,6 +241,13 @@ class EngineHost:
         return EngineFailed(self._failure or str(error))
 
     async def _guarded(self, coro: Coroutine[Any, Any, T]) -> T:
+        # A failure cancels the caller's future first; vLLM's cancelled ``generate`` then
+        # aborts on a dead engine and this task ends with an error its future no longer
+        # takes. Read here, it is not logged as "never retrieved" once per running job; the
+        # caller learns of the failure from ``result``.
+        task = asyncio.current_task()
+        if task is not None:
+            task.add_done_callback(_read_outcome)
         try:
             return await coro
         except EngineDeadError as exc:

@@ -1,5 +1,6 @@
-"""The watchdog's probe on a real ``EngineHost`` loop with a stand-in engine core (pure logic:
-a real core cannot be made to answer slowly while it streams, on demand).
+"""The watchdog's probe, and what an engine failure leaves behind, on a real ``EngineHost``
+loop with a stand-in engine core (pure logic: a real core cannot be made to answer slowly
+while it streams, or to die between two awaits, on demand).
 
 An engine that does not answer a probe in time is wedged only if no engine step returned
 outputs in the last half of that time: CI once saw a loaded engine (several engines bound to
@@ -10,10 +11,12 @@ jobs an attempt each.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from collections.abc import Iterator
 
 import pytest
+from vllm.v1.engine.exceptions import EngineDeadError
 
 from worker.engine import EngineFailed, EngineHost, EngineOptions
 
@@ -90,3 +93,41 @@ def test_a_probe_unanswered_while_steps_return_outputs_leaves_the_engine_serving
     with pytest.raises(EngineFailed):
         host.probe(PROBE_S)
     assert host.failure is not None
+
+
+def test_jobs_stopped_by_an_engine_failure_leave_no_unretrieved_task_exception(
+    host: EngineHost,
+) -> None:
+    """An engine failure cancels every pending job's future; vLLM's ``generate``, cancelled,
+    aborts its request, which on a dead engine raises ``EngineDeadError``: each such task
+    then ended with an exception nobody would read, and asyncio logged "Task exception was
+    never retrieved" for every job running (seen in the soak after an engine-core kill).
+    Every caller still gets ``EngineFailed``."""
+    reported: list[str] = []
+    host._loop.call_soon_threadsafe(
+        host._loop.set_exception_handler,
+        lambda loop, context: reported.append(str(context.get("message"))),
+    )
+    started = threading.Semaphore(0)
+
+    async def generate() -> None:  # as vLLM's: a cancelled request is aborted
+        try:
+            started.release()
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise EngineDeadError() from None
+
+    futures = [host.submit(generate()) for _ in range(4)]
+    for _ in futures:
+        assert started.acquire(timeout=30)
+    host.fail("the engine core process exited")
+    for future in futures:
+        with pytest.raises(EngineFailed):
+            host.result(future, timeout_s=30)
+    del futures, future
+    # Collected here or on the loop's thread: ask both, then read what the loop reported.
+    gc.collect()
+    collected = threading.Event()
+    host._loop.call_soon_threadsafe(lambda: (gc.collect(), collected.set()))
+    assert collected.wait(10)
+    assert not [m for m in reported if "never retrieved" in m], reported
