@@ -140,11 +140,6 @@ class _Progress(StatLoggerBase):
         return None
 
 
-def _read_outcome(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
 class EngineHost:
     """Owns the event-loop thread and the engine on it; thread-safe ``run`` for callers."""
 
@@ -244,14 +239,19 @@ class EngineHost:
         # A failure cancels the caller's future first; vLLM's cancelled ``generate`` then
         # aborts on a dead engine and this task ends with an error its future no longer
         # takes. Read here, it is not logged as "never retrieved" once per running job; the
-        # caller learns of the failure from ``result``.
+        # caller learns of the failure from ``result``. (Other errors nobody takes are still
+        # logged so.)
         task = asyncio.current_task()
         if task is not None:
-            task.add_done_callback(_read_outcome)
+            task.add_done_callback(self._read_if_failed)
         try:
             return await coro
         except EngineDeadError as exc:
             raise self.died(exc) from exc
+
+    def _read_if_failed(self, task: asyncio.Task[Any]) -> None:
+        if self._failure is not None and not task.cancelled():
+            task.exception()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Schedule ``coro`` on the engine loop from any thread. The future is cancelled if the
