@@ -164,7 +164,11 @@ def choose(
     if arriving:
         best = min(arriving, key=lambda w: (load(w), -rendezvous_score(digest, w.worker_id)))
         return Route(Decision.PLACED, best)
-    if len(holders) + len(coming) < policy.max_copies:
+    # Copies being made count wherever they are: a placed worker missing from this view
+    # (its announcement late) is fetching the adapter all the same.
+    shown = {w.worker_id for w in pool}
+    elsewhere = sum(1 for worker_id in placing if worker_id not in shown)
+    if len(holders) + len(coming) + elsewhere < policy.max_copies:
         others = [w for w in pool if digest not in w.adapters and w not in coming and free(w)]
         if others:
             # The first two by rendezvous rank, the less busy of them (ties: the first): two

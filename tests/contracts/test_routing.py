@@ -104,6 +104,20 @@ def test_a_new_copy_is_placed_only_when_every_holder_is_overloaded_and_never_pas
     assert choose(fresh, BASE, HOT, d, POLICY, {"w1": 8}).decision == Decision.PLACED
 
 
+def test_a_copy_being_made_on_a_worker_missing_from_the_view_still_counts_against_the_cap() -> None:
+    d = _digest(5)
+    # w1 holds the adapter and is overloaded; this gateway placed a copy on w9, whose
+    # announcement is late (it is not in this view): that copy is the cap's second.
+    fleet = [_worker("w1", {d: Level.ENGINE}, outstanding=8), _worker("w2"), _worker("w3")]
+    assert choose(fleet, BASE, HOT, d, POLICY).decision == Decision.PLACED
+    assert choose(fleet, BASE, HOT, d, POLICY, placing=("w9",)) == routing.SHARED
+    # A placement the view shows as held is not counted twice.
+    held = [*fleet, _worker("w9", {d: Level.DISK}, outstanding=9)]
+    assert choose(held, BASE, HOT, d, POLICY, placing=("w9",)) == routing.SHARED
+    roomy = Policy(max_copies=3, overload_ratio=1.0)
+    assert choose(held, BASE, HOT, d, roomy, placing=("w9",)).decision == Decision.PLACED
+
+
 def test_a_first_miss_goes_to_the_less_busy_of_its_two_first_ranked_workers() -> None:
     d = _digest(4)
     names = sorted((f"w{i}" for i in range(6)), key=lambda n: -routing.rendezvous_score(d, n))
