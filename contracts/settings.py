@@ -42,8 +42,8 @@ class ServiceSettings(BaseSettings):
     s3_max_attempts: int = Field(
         default=4,
         ge=1,
-        description="Retries of a failed S3 call after the first (botocore's standard mode "
-        "`max_attempts`).",
+        description="Retries of a failed adapter download call after the first (botocore's "
+        "standard mode `max_attempts`); results are read and written with one retry.",
     )
     job_ttl_s: int = Field(
         default=24 * 3600,

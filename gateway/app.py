@@ -65,7 +65,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             app.state.router,
             app.state.popularity,
         )
-        app.state.results = ResultReader(settings)
+        app.state.results = ResultReader(settings, budget_s=settings.request_timeout_s)
         app.state.batches = Batches(
             app.state.redis, app.state.submitter, settings, app.state.results
         )

@@ -33,10 +33,24 @@ class _Missing(Exception):
 READ_THREADS = 8
 """Object-store reads one gateway process runs at once (a batch's results wait their turn)."""
 
+MAX_WAITING = READ_THREADS * 16
+"""Reads one gateway process lets wait for a thread; past it a read is refused at once (503)
+rather than queued behind reads that may all be stalled on an unreachable store."""
+
 
 class ResultReader:
-    def __init__(self, settings: ServiceSettings) -> None:
+    def __init__(
+        self,
+        settings: ServiceSettings,
+        budget_s: float = 10.0,
+        max_waiting: int = MAX_WAITING,
+    ) -> None:
+        """``budget_s``: how long one read may take in all, its wait for a thread included
+        (the gateway's ``request_timeout_s``); past it the caller gets a 503."""
         self._settings = settings
+        self._budget_s = budget_s
+        self._max_waiting = max_waiting
+        self._waiting = 0  # reads submitted and not yet ended (the loop's thread only)
         self._client: Any = None
         self._client_lock = threading.Lock()
         # Its own threads: reads that hang in an outage must not hold the loop's default
@@ -45,6 +59,10 @@ class ResultReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
 
     async def read(self, job: JobPublic) -> JobPublic:
         """``job`` with its result, read from the object store if its record keeps only a
@@ -52,8 +70,14 @@ class ResultReader:
         stored = stored_result(job)
         if stored is None:
             return job
+        if self._waiting >= self._max_waiting:
+            raise self._unavailable(job, f"{self._waiting} reads of it are already waiting")
+        self._waiting += 1
         try:
-            body = await asyncio.get_running_loop().run_in_executor(self._pool, self._get, stored)
+            async with asyncio.timeout(self._budget_s):
+                body = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self._get, stored
+                )
         except _Missing as exc:
             raise ApiError(
                 500,
@@ -63,14 +87,12 @@ class ResultReader:
                 "results as long as job records, LORAFLEET_JOB_TTL_S; see the lifecycle rule "
                 "in the README) or the gateway may not read it (s3:GetObject).",
             ) from None
+        except TimeoutError:
+            raise self._unavailable(job, f"no answer within {self._budget_s:g} s") from None
         except Exception as exc:  # botocore's errors, which this module does not import
-            raise ApiError(
-                503,
-                ErrorCode.SERVICE_UNAVAILABLE,
-                f"Job {job.id} succeeded, but the object store holding its result is "
-                f"unreachable ({type(exc).__name__}); retry.",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            ) from exc
+            raise self._unavailable(job, type(exc).__name__) from exc
+        finally:
+            self._waiting -= 1
         try:
             result = decode_result(stored, body)
         except StoredResultDamaged as exc:
@@ -80,6 +102,16 @@ class ResultReader:
                 f"Job {job.id} succeeded, but its result in the object store is damaged: {exc}.",
             ) from exc
         return job.model_copy(update={"result": result})
+
+    @staticmethod
+    def _unavailable(job: JobPublic, why: str) -> ApiError:
+        return ApiError(
+            503,
+            ErrorCode.SERVICE_UNAVAILABLE,
+            f"Job {job.id} succeeded, but the object store holding its result is "
+            f"unreachable ({why}); retry.",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
 
     def _get(self, stored: StoredResult) -> bytes:
         client = self._s3()
@@ -107,11 +139,13 @@ class ResultReader:
                     "s3",
                     endpoint_url=settings.s3_endpoint_url,
                     region_name=settings.s3_region,
-                    # Shorter than a worker's: a caller waits on these.
+                    # A caller waits on these: one retry, each try answered within seconds
+                    # (``read`` gives up sooner still, at its budget; the thread then ends
+                    # within ``contracts.storage.longest_call_s``).
                     config=Config(
-                        retries={"max_attempts": settings.s3_max_attempts, "mode": "standard"},
+                        retries={"max_attempts": 1, "mode": "standard"},
                         connect_timeout=2,
-                        read_timeout=10,
+                        read_timeout=5,
                     ),
                 )
             return self._client

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
+from redis import Redis
 
 from contracts.errors import ErrorCode
 from contracts.jobs import (
@@ -22,14 +25,16 @@ from contracts.jobs import (
 )
 from contracts.registry import BaseModelRef
 from contracts.settings import ServiceSettings
-from contracts.storage import StoredResultDamaged, encode_result
+from contracts.storage import StoredResultDamaged, encode_result, longest_call_s
 from gateway.errors import ApiError
 from gateway.result_store import ResultReader
 from lorafleet.processes import free_port
 from lorafleet.stack import LOCAL_AWS, LocalStack, s3_client
 from tests.helpers import new_job
+from tests.sockets import tcp_server
 from worker.result_store import WRITE_BUDGET_S, ResultStore, may_exceed
-from worker.webhooks.deliver import _for_good
+from worker.webhooks.config import WebhookSettings
+from worker.webhooks.deliver import Deliverer, _for_good
 
 LIMIT = 512
 
@@ -71,12 +76,15 @@ def store(s3: Any, infra: LocalStack) -> ResultStore:
 
 
 @pytest.fixture
-def reader(infra: LocalStack, monkeypatch: pytest.MonkeyPatch) -> ResultReader:
+def reader(infra: LocalStack, monkeypatch: pytest.MonkeyPatch) -> Iterator[ResultReader]:
     for name, value in LOCAL_AWS.items():
         monkeypatch.setenv(name, value)
-    return ResultReader(
-        ServiceSettings(s3_endpoint_url=infra.s3_endpoint_url, s3_bucket=infra.settings.s3_bucket)
+    settings = ServiceSettings(
+        s3_endpoint_url=infra.s3_endpoint_url, s3_bucket=infra.settings.s3_bucket
     )
+    reader = ResultReader(settings)
+    yield reader
+    reader.close()
 
 
 def test_the_size_bound_is_never_below_the_encoded_size() -> None:
@@ -181,8 +189,94 @@ def test_an_unreachable_store_keeps_the_result_in_redis_and_is_a_503_to_readers(
 
     stored, _ = encode_result("acme", large)
     record = _job(None, _metadata().model_copy(update={"result_stored": stored}))
+    reader = ResultReader(settings)
     with pytest.raises(ApiError) as unreachable:
-        asyncio.run(ResultReader(settings).read(record))
+        asyncio.run(reader.read(record))
+    reader.close()
     assert unreachable.value.status_code == 503
     assert unreachable.value.code == ErrorCode.SERVICE_UNAVAILABLE
     assert unreachable.value.headers and "Retry-After" in unreachable.value.headers
+
+
+@pytest.mark.parametrize("timeout_s", [0.5, 10.0, 60.0])
+def test_a_webhook_attempt_reading_a_stored_result_ends_within_its_events_lease(
+    timeout_s: float,
+) -> None:
+    # Past the lease the dispatcher hands the event to another attempt: a read that could
+    # stall longer than the lease leaves (read + POST) would let both attempts POST.
+    settings = WebhookSettings(webhook_timeout_s=timeout_s)
+    deliverer = Deliverer(Redis(), settings)  # Redis is not asked here
+    try:
+        client = deliverer._result_store()._s3
+        assert longest_call_s(client) + settings.webhook_timeout_s < settings.lease_s
+    finally:
+        deliverer.close()
+
+
+def _stall(conn: socket.socket) -> None:
+    """An S3 endpoint that takes a request and never answers (until the test closes it)."""
+    try:
+        while conn.recv(65536):
+            pass
+    except OSError:
+        pass
+
+
+def _stalled_record() -> JobPublic:
+    stored, _ = encode_result("acme", _result(200))
+    return _job(None, _metadata().model_copy(update={"result_stored": stored}))
+
+
+def test_a_gateway_read_of_a_stalled_store_is_a_503_within_its_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, value in LOCAL_AWS.items():
+        monkeypatch.setenv(name, value)
+    with tcp_server(_stall) as (port, _):
+        settings = ServiceSettings(s3_endpoint_url=f"http://127.0.0.1:{port}")
+        reader = ResultReader(settings, budget_s=0.5)
+        try:
+            with pytest.raises(ApiError) as stalled:
+                asyncio.run(reader.read(_stalled_record()))
+            # The one bound is the budget (a request's), not botocore's retries.
+            assert stalled.value.status_code == 503
+            assert "no answer within 0.5 s" in stalled.value.message
+            # And the thread left behind ends within seconds, whatever the settings.
+            assert longest_call_s(reader._s3()) < 20
+        finally:
+            reader.close()
+
+
+def test_reads_past_the_waiting_bound_are_refused_at_once_and_the_bound_is_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name, value in LOCAL_AWS.items():
+        monkeypatch.setenv(name, value)
+
+    async def go(reader: ResultReader) -> list[str]:
+        record = _stalled_record()
+        waiting = [asyncio.ensure_future(reader.read(record)) for _ in range(2)]
+        await asyncio.sleep(0)  # both have started and wait on the stalled store
+        messages = []
+        with pytest.raises(ApiError) as refused:
+            await reader.read(record)
+        messages.append(refused.value.message)
+        assert not any(task.done() for task in waiting)  # refused while they still wait
+        for task in waiting:
+            with pytest.raises(ApiError) as stalled:
+                await task
+            messages.append(stalled.value.message)
+        with pytest.raises(ApiError) as after:  # the bound was released: it waits again
+            await reader.read(record)
+        messages.append(after.value.message)
+        return messages
+
+    with tcp_server(_stall) as (port, _):
+        settings = ServiceSettings(s3_endpoint_url=f"http://127.0.0.1:{port}")
+        reader = ResultReader(settings, budget_s=1.0, max_waiting=2)
+        try:
+            refused, *stalled, after = asyncio.run(go(reader))
+        finally:
+            reader.close()
+    assert "2 reads of it are already waiting" in refused
+    assert all("no answer within 1 s" in message for message in [*stalled, after])

@@ -33,8 +33,7 @@ from contracts.webhooks import (
     new_secret,
     split_url,
 )
-from worker.object_store import s3_client
-from worker.result_store import ResultStore
+from worker.result_store import ResultStore, results_client
 from worker.webhooks.config import WebhookSettings
 from worker.webhooks.schedule import Conclusion, Event
 
@@ -170,7 +169,9 @@ class Deliverer:
         with self._results_lock:  # one deliverer serves every delivery thread
             if self._results is None:  # built when a first event needs it
                 settings = self._settings
-                self._results = ResultStore(s3_client(settings), settings.s3_bucket, 0)
+                # The results client gives up within seconds: a read that stalled past the
+                # event's lease would let the event be dispatched again, and POSTed twice.
+                self._results = ResultStore(results_client(settings), settings.s3_bucket, 0)
             return self._results
 
     def _secrets(self, tenant: str, now: float) -> list[str]:
