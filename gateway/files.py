@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from contracts.batches import BatchLine, error_file_id, output_file_id
 from contracts.errors import ErrorCode
 from contracts.jobs import JobPublic, JobStatus
-from contracts.keys import file_key, tenant_file_bytes_key, tenant_files_key
+from contracts.keys import batch_key, file_key, tenant_file_bytes_key, tenant_files_key
 from contracts.storage import stored_result
 from contracts.tenants import TenantRecord
 from gateway.batches import Batches, openai_file_errors, refused
@@ -197,11 +197,11 @@ class Files:
         return str(content).encode()
 
     async def meta(self, tenant: TenantRecord, file_id: str) -> FileObject:
-        produced = await self._produced(tenant, file_id)
+        produced = await self._produced_size(tenant, file_id)
         if produced is not None:
             return FileObject(
                 id=file_id,
-                bytes=len(produced),
+                bytes=produced,
                 created_at=int(time.time()),
                 filename=f"{file_id}.jsonl",
                 purpose="batch_output",
@@ -222,6 +222,30 @@ class Files:
 
     async def _produced(self, tenant: TenantRecord, file_id: str) -> bytes | None:
         """A finished batch's output or error file, if ``file_id`` names one."""
+        batch_id = await self._batch_of(tenant, file_id)
+        if batch_id is None:
+            return None
+        content = await self._render(batch_id, file_id)
+        await self._remember_size(batch_id, file_id, len(content))
+        return content
+
+    async def _produced_size(self, tenant: TenantRecord, file_id: str) -> int | None:
+        """The size of a finished batch's output or error file, if ``file_id`` names one:
+        the one worked out when it was first made (it never changes, see ``_remember_size``),
+        so that asking again reads no stored result."""
+        batch_id = await self._batch_of(tenant, file_id)
+        if batch_id is None:
+            return None
+        known = await self._redis.hget(batch_key(batch_id), _size_field(file_id))
+        if known is not None:
+            return int(known)
+        content = await self._render(batch_id, file_id)
+        await self._remember_size(batch_id, file_id, len(content))
+        return len(content)
+
+    async def _batch_of(self, tenant: TenantRecord, file_id: str) -> str | None:
+        """The finished batch of ``tenant`` whose output or error file ``file_id`` names;
+        ``None`` if it names no such file (a 404 if it names one that is not there)."""
         for suffix, errors in (("-output", False), ("-errors", True)):
             if file_id.startswith("file-batch-") and file_id.endswith(suffix):
                 batch_id = file_id.removeprefix("file-batch-").removesuffix(suffix)
@@ -229,11 +253,36 @@ class Files:
                 expected = error_file_id(batch_id) if errors else output_file_id(batch_id)
                 if batch is None or batch.output_file_id is None or expected != file_id:
                     raise _not_found(file_id)
-                out = []
-                async for chunk in self._batches.lines(batch_id, with_results=not errors):
-                    for line, job in chunk:
-                        made = _output_line(line, job, errors)
-                        if made is not None and made[0] == errors:
-                            out.append(json.dumps(made[1], separators=(",", ":")) + "\n")
-                return "".join(out).encode()
+                return batch_id
         return None
+
+    async def _render(self, batch_id: str, file_id: str) -> bytes:
+        errors = file_id.endswith("-errors")
+        out = []
+        async for chunk in self._batches.lines(batch_id, with_results=not errors):
+            for line, job in chunk:
+                made = _output_line(line, job, errors)
+                if made is not None and made[0] == errors:
+                    out.append(json.dumps(made[1], separators=(",", ":")) + "\n")
+        return "".join(out).encode()
+
+    async def _remember_size(self, batch_id: str, file_id: str, size: int) -> None:
+        """Keep a finished batch's file size in its hash, which expires with it. The file
+        does not change while the batch is there: every job has ended, an ended job's
+        record is never written again, and the records outlive the batch's hash (they get
+        its TTL in the same script, and again on each later write)."""
+        await self._redis.register_script(_REMEMBER)(
+            keys=[batch_key(batch_id)], args=[_size_field(file_id), size]
+        )
+
+
+_REMEMBER = """
+if redis.call('HEXISTS', KEYS[1], 'record') == 1 then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+end
+"""
+"""Only into a batch's hash that is there (no key without a TTL, no write to a tombstone)."""
+
+
+def _size_field(file_id: str) -> str:
+    return "bytes:" + file_id.rsplit("-", 1)[1]

@@ -51,8 +51,15 @@ async def upload_file(
         return await files.upload(tenant, file.filename or "upload.jsonl", purpose, content)
 
 
-@router.get("/{file_id}", response_model=FileObject, responses=_ERRORS)
+@router.get(
+    "/{file_id}",
+    response_model=FileObject,
+    responses=responses(*AUTHENTICATED, ErrorCode.FILE_NOT_FOUND, ErrorCode.INTERNAL_ERROR),
+)
 async def get_file(file_id: str, tenant: TenantDep, files: FilesDep) -> FileObject:
+    """A file's object. A batch's output file is made once to learn its size (its results
+    kept in the object store read back: the errors ``content`` can answer); its size is
+    then remembered while the batch is kept."""
     async with _store():
         return await files.meta(tenant, file_id)
 

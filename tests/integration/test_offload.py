@@ -124,8 +124,12 @@ def test_batch_results_and_output_file_give_back_results_kept_in_s3(
         assert result["status"] == "succeeded" and result["result"]["token_ids"] == expected
         _offloaded(redis, s3, stack, result["job_id"], result["result"]["text"])
 
-    output = api.get(f"/v1/files/{batch['output_file_id']}/content")
+    output_id = batch["output_file_id"]
+    meta = api.get(f"/v1/files/{output_id}")
+    assert meta.status_code == 200, meta.text
+    output = api.get(f"/v1/files/{output_id}/content")
     assert output.status_code == 200, output.text
+    assert meta.json()["bytes"] == len(output.content)
     lines = [json.loads(x) for x in output.text.splitlines()]
     assert len(lines) == 2
     for out in lines:
@@ -134,3 +138,13 @@ def test_batch_results_and_output_file_give_back_results_kept_in_s3(
     # Successes whose results are in S3 are successes: the error file stays empty.
     errors = api.get(f"/v1/files/{batch['error_file_id']}/content")
     assert errors.status_code == 200 and errors.text == ""
+
+    # The output's size is remembered: asking again reads no result (one now gone from the
+    # bucket changes nothing), while the content, which must read it, says it is gone.
+    key = job_record(redis, results[0]["job_id"]).metadata.result_stored.key  # type: ignore[union-attr]
+    s3.delete_object(Bucket=stack.settings.s3_bucket, Key=key)
+    again = api.get(f"/v1/files/{output_id}")
+    assert again.status_code == 200 and again.json()["bytes"] == len(output.content)
+    gone = api.get(f"/v1/files/{output_id}/content")
+    assert gone.status_code == 500 and gone.json()["error"]["code"] == "internal_error"
+    assert key in gone.json()["error"]["message"]
