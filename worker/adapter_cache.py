@@ -416,9 +416,10 @@ class AdapterCache:
             return self._download(digest, protect)
         finally:
             with self._cond:
+                # A failed fetch keeps the adapter's request rate: those requests were made,
+                # and the next fetch (the store back) should weigh them. Rates of adapters
+                # not here fade and are pruned (``expect``).
                 self._downloads.pop(digest, None)
-                if digest not in self._entries and not self._holds.get(digest):
-                    self._rate.pop(digest, None)  # it failed: nothing to keep about it
 
     def verify(self, digest: str) -> tuple[str, float]:
         """Re-hash the files on disk; on mismatch quarantine them and fail closed.

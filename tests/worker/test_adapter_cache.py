@@ -16,7 +16,7 @@ from urllib3.exceptions import ProtocolError
 
 from contracts.digests import manifest_of
 from contracts.errors import ErrorCode
-from contracts.storage import blob_key
+from contracts.storage import blob_key, manifest_key
 from lorafleet.processes import free_port
 from lorafleet.publish import upload_artifact
 from lorafleet.soak.faults import TcpProxy
@@ -570,3 +570,24 @@ def test_a_tampered_prefetch_fails_verification_and_keeps_nothing(
     with pytest.raises(AdapterIntegrityError):  # its job fails the same way, on its own fetch
         cache.ensure(digest)
     assert evicted == []
+
+
+def test_requests_that_failed_to_fetch_still_count_in_the_adapters_request_rate(
+    infra: LocalStack, s3: Any, tmp_path: Path
+) -> None:
+    """An adapter asked for ten times while its object could not be fetched, then once with
+    success, was asked for eleven times: it outweighs one asked for three times when a third
+    needs the room (a failed fetch must not wipe the history eviction weighs)."""
+    bucket = infra.settings.s3_bucket
+    (a, b, c), size = _three(s3, bucket, tmp_path, "failed")
+    s3.delete_object(Bucket=bucket, Key=manifest_key(a))  # not there: each ask fails at once
+    cache = AdapterCache(tmp_path / "cache", s3, bucket, max_bytes=2 * size + 10, policy="cost")
+    for _ in range(10):
+        with pytest.raises(AdapterUnavailableError):
+            cache.ensure(a)
+    _publish(s3, bucket, tmp_path / "failed-0")
+    cache.ensure(a)
+    for _ in range(3):
+        cache.ensure(b)
+    cache.ensure(c)
+    assert cache.has(a) and not cache.has(b) and cache.has(c)
