@@ -11,6 +11,7 @@ jobs an attempt each.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import threading
 from collections.abc import Iterator
@@ -131,3 +132,33 @@ def test_jobs_stopped_by_an_engine_failure_leave_no_unretrieved_task_exception(
     host._loop.call_soon_threadsafe(lambda: (gc.collect(), collected.set()))
     assert collected.wait(10)
     assert not [m for m in reported if "never retrieved" in m], reported
+
+
+def test_the_progress_logger_is_called_as_vllm_calls_its_stat_loggers() -> None:
+    """``_Progress`` built and called through vLLM's own adapter for per-engine loggers, the
+    way ``AsyncLLM`` records a step (keywords, as its output handler passes them): a step
+    with outputs is progress, one without is not."""
+    from vllm.v1.metrics.loggers import PerEngineStatLoggerAdapter
+
+    from worker.engine import _Progress
+
+    class Host:
+        steps = 0
+
+        def progressed(self) -> None:
+            self.steps += 1
+
+    host = Host()
+    adapter = PerEngineStatLoggerAdapter(
+        vllm_config=None,  # type: ignore[arg-type]  # _Progress does not read it
+        engine_indexes=[0],
+        per_engine_stat_logger_factory=functools.partial(_Progress, host=host),  # type: ignore[arg-type]
+    )
+    adapter.log_engine_initialized()
+    adapter.record(scheduler_stats=None, iteration_stats=None, mm_cache_stats=None, engine_idx=0)
+    assert host.steps == 0
+    adapter.record(
+        scheduler_stats=None, iteration_stats=object(), mm_cache_stats=None, engine_idx=0
+    )  # type: ignore[arg-type]
+    adapter.log()
+    assert host.steps == 1
