@@ -25,6 +25,7 @@ from contracts.keys import WORKERS_INDEX, job_key, queue_ledger_key, worker_key
 from contracts.queues import QUEUE_PREFIX, Tier, queue_for
 from contracts.registry import AdapterRecord
 from lorafleet.client import JobsClient
+from lorafleet.fixtures import AdapterSpec, write_adapter
 from lorafleet.publish import Publisher
 from lorafleet.registry import Registry
 from lorafleet.stack import LocalStack
@@ -219,3 +220,21 @@ def fixture_publisher(registry: Registry, infra: LocalStack, fixtures_dir: Path)
         s3=infra.s3(),
         bucket=infra.settings.s3_bucket,
     )
+
+
+QV = ("q_proj", "v_proj")
+
+
+def new_adapter(
+    parent: Path,
+    name: str,
+    seed: int,
+    fixtures_dir: Path,
+    rank: int = 8,
+    targets: tuple[str, ...] = QV,
+) -> AdapterSpec:
+    """Write a new adapter of the test model (``fixtures_dir``'s base) to ``parent / name``:
+    its weights drawn from ``seed``, alpha twice its rank."""
+    spec = AdapterSpec(name, seed, rank, 2 * rank, targets)
+    write_adapter(parent / name, spec, fixtures_dir / "base")
+    return spec

@@ -11,9 +11,9 @@ from contracts.jobs import JobPublic, JobStatus
 from contracts.queues import Tier
 from contracts.registry import AdapterRecord, BaseModelRef
 from lorafleet.client import JobsClient
-from lorafleet.fixtures import AdapterSpec, write_adapter
+from lorafleet.fixtures import AdapterSpec
 from lorafleet.publish import Publisher
-from tests.helpers import async_client, run_jobs
+from tests.helpers import async_client, new_adapter, run_jobs
 
 SAMPLING = {"max_tokens": 4, "temperature": 0.0}
 
@@ -37,8 +37,7 @@ def test_residency_moves_remote_then_engine_then_disk(
     published: dict[str, AdapterRecord],
 ) -> None:
     def publish(name: str, seed: int) -> AdapterRecord:
-        spec = AdapterSpec(name, seed=seed, rank=8, alpha=16, target_modules=("q_proj", "v_proj"))
-        write_adapter(tmp_path / name, spec, fixtures_dir / "base")
+        new_adapter(tmp_path, name, seed, fixtures_dir)
         return publisher.publish(tmp_path / name, name, Tier.COLD)
 
     # The disk cache evicts what costs least to bring back (requests x fetch time per byte),

@@ -27,11 +27,11 @@ from contracts.keys import WORKERS_INDEX, engine_proven_key, worker_key
 from contracts.queues import Tier, pool_id, queue_for
 from contracts.registry import AdapterRecord
 from contracts.storage import blob_key
-from lorafleet.fixtures import AdapterSpec, write_adapter
+from lorafleet.fixtures import AdapterSpec
 from lorafleet.publish import Publisher
 from lorafleet.stack import LocalStack, procfile_commands
 from lorafleet.validation import ADAPTER_FILES
-from tests.helpers import hot_alias, job_when, paused, worker_heartbeat
+from tests.helpers import hot_alias, job_when, new_adapter, paused, worker_heartbeat
 from tests.oracle import PeftOracle
 from worker.engine import ENGINE_VERSION
 
@@ -40,9 +40,7 @@ PROMPT = "Classify the sentiment of this review"
 
 
 def _adapter(directory: Path, fixtures_dir: Path, seed: int) -> AdapterSpec:
-    spec = AdapterSpec(directory.name, seed, 8, 16, ("q_proj", "v_proj"))
-    write_adapter(directory.parent / spec.name, spec, fixtures_dir / "base")
-    return spec
+    return new_adapter(directory.parent, directory.name, seed, fixtures_dir)
 
 
 def _prefetch_counts(metrics_port: int, trigger: str) -> dict[str, float]:

@@ -29,13 +29,13 @@ from contracts.registry import AdapterRecord
 from contracts.routing import worker_queue
 from contracts.storage import blob_key
 from lorafleet.client import auth_headers
-from lorafleet.fixtures import AdapterSpec, write_adapter
+from lorafleet.fixtures import AdapterSpec
 from lorafleet.publish import Publisher
 from lorafleet.stack import LocalStack, procfile_commands
 from lorafleet.tenants import Tenants
 from lorafleet.validation import ADAPTER_FILES
 from tests.conftest import STACK_ENV
-from tests.helpers import job_when, run_jobs, submit_job, worker_heartbeat
+from tests.helpers import QV, job_when, new_adapter, run_jobs, submit_job, worker_heartbeat
 from tests.oracle import PeftOracle
 
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -47,12 +47,9 @@ DISK_BOUND = int(STACK_ENV["LORAFLEET_DISK_CACHE_BYTES"])
 def _new_adapters(count: int, seed: int, directory: Path, fixtures_dir: Path) -> list[AdapterSpec]:
     specs = []
     for index in range(count):
-        rank, targets = ((8, ("q_proj", "v_proj")), (4, ("q_proj", "k_proj", "v_proj", "o_proj")))[
-            index % 2
-        ]
-        spec = AdapterSpec(f"{directory.name}-{index:02d}", seed + index, rank, 2 * rank, targets)
-        write_adapter(directory / spec.name, spec, fixtures_dir / "base")
-        specs.append(spec)
+        rank, targets = ((8, QV), (4, ("q_proj", "k_proj", "v_proj", "o_proj")))[index % 2]
+        name = f"{directory.name}-{index:02d}"
+        specs.append(new_adapter(directory, name, seed + index, fixtures_dir, rank, targets))
     return specs
 
 
@@ -250,8 +247,7 @@ def test_an_adapter_the_engine_refuses_fails_its_jobs_and_spares_the_engine(
     at most (the two settings disagree): vLLM refuses it at ``add_lora``. Its jobs fail
     ``adapter_load_failed`` with the engine's reason; the engine keeps serving the rest, and
     is not asked to load that revision again."""
-    spec = AdapterSpec("rank16-refused", 72_000, 16, 32, ("q_proj", "v_proj"))
-    write_adapter(tmp_path / spec.name, spec, fixtures_dir / "base")
+    spec = new_adapter(tmp_path, "rank16-refused", 72_000, fixtures_dir, rank=16)
     wider = Publisher(
         base_dir=publisher.base_dir,
         base_model_id=publisher.base_model.id,

@@ -18,12 +18,11 @@ from contracts.errors import ErrorCode
 from contracts.keys import POOLS, WORKERS_INDEX, worker_key
 from contracts.queues import Tier, pool_id, queue_for
 from contracts.storage import blob_key
-from lorafleet.fixtures import AdapterSpec, write_adapter
 from lorafleet.publish import Publisher
 from lorafleet.registry import Registry, RegistryError
 from lorafleet.stack import LocalStack
 from lorafleet.validation import ADAPTER_FILES
-from tests.helpers import fixture_publisher
+from tests.helpers import fixture_publisher, new_adapter
 
 PRIVATE_DB = 5
 
@@ -54,8 +53,7 @@ def _announce(redis: Redis, publisher: Publisher, name: str, max_loras: int, que
 def _adapters(tmp_path: Path, fixtures_dir: Path, count: int) -> list[Path]:
     paths = []
     for index in range(count):
-        spec = AdapterSpec(f"pin-{index}", 77_000 + index, 8, 16, ("q_proj", "v_proj"))
-        write_adapter(tmp_path / spec.name, spec, fixtures_dir / "base")
+        spec = new_adapter(tmp_path, f"pin-{index}", 77_000 + index, fixtures_dir)
         paths.append(tmp_path / spec.name)
     return paths
 
