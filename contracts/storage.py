@@ -77,17 +77,21 @@ def gone_or_denied(s3_error: dict[str, Any]) -> bool:
 
 _MAX_BACKOFF_S = 20.0
 """botocore's cap on the wait before a retry (standard mode)."""
+_MAX_RETRY_AFTER_S = 5.0
+"""What botocore adds at most to that wait when S3 answers with ``x-amz-retry-after``."""
 
 
 def longest_call_s(s3_client: Any) -> float:
     """The longest one call of ``s3_client`` can take when S3 stalls: every try connects and
     waits for an answer as long as the client allows, with botocore's wait (at most
-    ``2 ** n`` s, capped at 20) before each retry."""
+    ``2 ** n`` s, capped at 20, plus up to 5 s S3 may ask for) before each retry. Not
+    bounded by it: name resolution, and reading a body that trickles in (each read of it
+    is bounded, not the whole)."""
     config = s3_client.meta.config
     retries = config.retries or {}
     if "total_max_attempts" in retries:  # what botocore makes of ``max_attempts``
         tries = int(retries["total_max_attempts"])
     else:
-        tries = 1 + int(retries.get("max_attempts", 4))  # botocore's default: 4 retries
-    waits = sum(min(2.0**n, _MAX_BACKOFF_S) for n in range(1, tries))
+        tries = 1 + int(retries.get("max_attempts", 4))  # at least botocore's default
+    waits = sum(min(2.0**n, _MAX_BACKOFF_S) + _MAX_RETRY_AFTER_S for n in range(1, tries))
     return tries * (float(config.connect_timeout) + float(config.read_timeout)) + waits

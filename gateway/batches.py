@@ -16,9 +16,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -90,8 +97,24 @@ class OpenAIBatchCreate(BaseModel):
 
     input_file_id: str
     endpoint: BatchEndpoint
-    completion_window: str = "24h"
+    completion_window: Literal["24h"] = Field(
+        default="24h", description="OpenAI's only window; lorafleet's is each job's deadline"
+    )
     metadata: dict[str, str] | None = None
+    # lorafleet's own shape (``BatchCreate``): refused beside ``input_file_id``, not dropped.
+    requests: Any = Field(default=None, exclude=True)
+    webhook: Any = Field(default=None, exclude=True)
+    deadline_s: Any = Field(default=None, exclude=True)
+
+    @field_validator("requests", "webhook", "deadline_s")
+    @classmethod
+    def _not_with_a_file(cls, value: Any, info: ValidationInfo) -> None:
+        if value is not None:
+            raise ValueError(
+                f"{info.field_name} belongs to lorafleet's batch shape, not OpenAI's "
+                "(input_file_id): send one or the other"
+            )
+        return None
 
 
 class OpenAILine(BaseModel):

@@ -25,7 +25,8 @@ class GatewaySettings(ServiceSettings):
         gt=0,
         description="Bound on all the Redis work of one request, waiting for this process's "
         "event loop included: a burst larger than the gateway serves at once waits its turn "
-        "this long before it is refused (503 with `Retry-After`, nothing left admitted).",
+        "this long before it is refused (503 with `Retry-After`, nothing left admitted). Also "
+        "the bound on each read of a result kept in the object store (503 past it).",
     )
     max_body_bytes: int = Field(
         default=1024 * 1024, ge=1024, description="Largest request body; larger is 413."

@@ -4,6 +4,7 @@ and error files (made from its jobs' records when they are read)."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Any, Literal
@@ -11,8 +12,9 @@ from typing import Any, Literal
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
-from contracts.batches import BatchLine, error_file_id, output_file_id
+from contracts.batches import BatchLine, BatchPublic, error_file_id, output_file_id
 from contracts.errors import ErrorCode
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import batch_key, file_key, tenant_file_bytes_key, tenant_files_key
@@ -22,6 +24,8 @@ from gateway.batches import Batches, openai_file_errors, refused
 from gateway.config import GatewaySettings
 from gateway.errors import ApiError
 from gateway.openai_schemas import chat_completion_of, completion_of
+
+log = logging.getLogger(__name__)
 
 
 class FileObject(BaseModel):
@@ -197,12 +201,13 @@ class Files:
         return str(content).encode()
 
     async def meta(self, tenant: TenantRecord, file_id: str) -> FileObject:
-        produced = await self._produced_size(tenant, file_id)
-        if produced is not None:
+        batch = await self._batch_of(tenant, file_id)
+        if batch is not None:
+            ended = batch.completed_at or batch.cancelled_at or batch.created_at
             return FileObject(
                 id=file_id,
-                bytes=produced,
-                created_at=int(time.time()),
+                bytes=await self._produced_size(batch.id, file_id),
+                created_at=ended,  # the file is whole from the batch's end on
                 filename=f"{file_id}.jsonl",
                 purpose="batch_output",
             )
@@ -215,35 +220,23 @@ class Files:
         return FileObject.model_validate_json(meta)
 
     async def content(self, tenant: TenantRecord, file_id: str) -> bytes:
-        produced = await self._produced(tenant, file_id)
-        if produced is not None:
-            return produced
+        batch = await self._batch_of(tenant, file_id)
+        if batch is not None:
+            return await self._render(batch.id, file_id)
         return await self.content_of_upload(tenant, file_id)
 
-    async def _produced(self, tenant: TenantRecord, file_id: str) -> bytes | None:
-        """A finished batch's output or error file, if ``file_id`` names one."""
-        batch_id = await self._batch_of(tenant, file_id)
-        if batch_id is None:
-            return None
-        content = await self._render(batch_id, file_id)
-        await self._remember_size(batch_id, file_id, len(content))
-        return content
-
-    async def _produced_size(self, tenant: TenantRecord, file_id: str) -> int | None:
-        """The size of a finished batch's output or error file, if ``file_id`` names one:
-        the one worked out when it was first made (it never changes, see ``_remember_size``),
-        so that asking again reads no stored result."""
-        batch_id = await self._batch_of(tenant, file_id)
-        if batch_id is None:
-            return None
+    async def _produced_size(self, batch_id: str, file_id: str) -> int:
+        """The size of a finished batch's output or error file: worked out once, when it is
+        first asked for, and kept (it never changes, see ``_remember_size``), so that asking
+        again reads no stored result."""
         known = await self._redis.hget(batch_key(batch_id), _size_field(file_id))
         if known is not None:
             return int(known)
-        content = await self._render(batch_id, file_id)
-        await self._remember_size(batch_id, file_id, len(content))
-        return len(content)
+        size = len(await self._render(batch_id, file_id))
+        await self._remember_size(batch_id, file_id, size)
+        return size
 
-    async def _batch_of(self, tenant: TenantRecord, file_id: str) -> str | None:
+    async def _batch_of(self, tenant: TenantRecord, file_id: str) -> BatchPublic | None:
         """The finished batch of ``tenant`` whose output or error file ``file_id`` names;
         ``None`` if it names no such file (a 404 if it names one that is not there)."""
         for suffix, errors in (("-output", False), ("-errors", True)):
@@ -253,7 +246,7 @@ class Files:
                 expected = error_file_id(batch_id) if errors else output_file_id(batch_id)
                 if batch is None or batch.output_file_id is None or expected != file_id:
                     raise _not_found(file_id)
-                return batch_id
+                return batch
         return None
 
     async def _render(self, batch_id: str, file_id: str) -> bytes:
@@ -270,13 +263,17 @@ class Files:
         """Keep a finished batch's file size in its hash, which expires with it. The file
         does not change while the batch is there: every job has ended, an ended job's
         record is never written again, and the records outlive the batch's hash (they get
-        its TTL in the same script, and again on each later write)."""
-        await self._redis.register_script(_REMEMBER)(
-            keys=[batch_key(batch_id)], args=[_size_field(file_id), size]
-        )
+        its TTL in the same script, and again on each later write). Best effort: a Redis
+        that refuses the write (full) costs the next ask another reading of the file."""
+        try:
+            await self._redis.register_script(_REMEMBER)(
+                keys=[batch_key(batch_id)], args=[_size_field(file_id), size]
+            )
+        except RedisError as exc:
+            log.info("size of %s not kept: %s", file_id, exc)
 
 
-_REMEMBER = """
+_REMEMBER = """#!lua
 if redis.call('HEXISTS', KEYS[1], 'record') == 1 then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 end

@@ -52,6 +52,7 @@ class ResultReader:
         self._max_waiting = max_waiting
         self._waiting = 0  # reads submitted and not yet ended (the loop's thread only)
         self._client: Any = None
+        self._closed = False
         self._client_lock = threading.Lock()
         # Its own threads: reads that hang in an outage must not hold the loop's default
         # executor (DNS lookups for new Redis connections use it).
@@ -60,6 +61,7 @@ class ResultReader:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._client_lock:
+            self._closed = True  # a read already in a thread makes no client after this
             if self._client is not None:
                 self._client.close()
                 self._client = None
@@ -71,7 +73,13 @@ class ResultReader:
         if stored is None:
             return job
         if self._waiting >= self._max_waiting:
-            raise self._unavailable(job, f"{self._waiting} reads of it are already waiting")
+            raise ApiError(
+                503,
+                ErrorCode.SERVICE_UNAVAILABLE,
+                f"Job {job.id} succeeded, but its result is kept in the object store and "
+                f"this gateway has {self._waiting} reads of it waiting already; retry.",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         self._waiting += 1
         try:
             async with asyncio.timeout(self._budget_s):
@@ -130,6 +138,8 @@ class ResultReader:
 
     def _s3(self) -> Any:
         with self._client_lock:
+            if self._closed:
+                raise RuntimeError("the gateway is stopping")
             if self._client is None:
                 import boto3
                 from botocore.config import Config
@@ -140,7 +150,7 @@ class ResultReader:
                     endpoint_url=settings.s3_endpoint_url,
                     region_name=settings.s3_region,
                     # A caller waits on these: one retry, each try answered within seconds
-                    # (``read`` gives up sooner still, at its budget; the thread then ends
+                    # (``read`` gives up sooner still, at its budget; the thread's calls end
                     # within ``contracts.storage.longest_call_s``).
                     config=Config(
                         retries={"max_attempts": 1, "mode": "standard"},

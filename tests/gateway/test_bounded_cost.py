@@ -174,6 +174,16 @@ def test_files_are_checked_against_their_purpose_and_returned_byte_for_byte(
         file_id = uploaded.json()["id"]
         assert uploaded.json()["bytes"] == len(exact)
         assert http.get(f"/v1/files/{file_id}/content").content == exact
+        openai_batch = {"input_file_id": file_id, "endpoint": "/v1/completions"}
+        # OpenAI's shape with lorafleet's fields, or a window other than OpenAI's only one,
+        # is refused, not half read.
+        mixed_shapes = openai_batch | {"requests": [{"adapter": adapter, "prompt": "hi"}]}
+        error = _error(http.post("/v1/batches", json=mixed_shapes), 422, "validation_error")
+        assert "requests" in error["message"] and "input_file_id" in error["message"]
+        window = openai_batch | {"completion_window": "1h"}
+        error = _error(http.post("/v1/batches", json=window), 422, "validation_error")
+        assert "completion_window" in error["message"]
+        assert not list(private_redis.scan_iter("lorafleet:batch*"))  # nothing was created
         batch = http.post(
             "/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions"}
         )

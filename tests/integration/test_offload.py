@@ -145,6 +145,8 @@ def test_batch_results_and_output_file_give_back_results_kept_in_s3(
     s3.delete_object(Bucket=stack.settings.s3_bucket, Key=key)
     again = api.get(f"/v1/files/{output_id}")
     assert again.status_code == 200 and again.json()["bytes"] == len(output.content)
+    # The file is whole from the batch's end: that is when it was made, every time.
+    assert meta.json()["created_at"] == again.json()["created_at"] == batch["completed_at"]
     gone = api.get(f"/v1/files/{output_id}/content")
     assert gone.status_code == 500 and gone.json()["error"]["code"] == "internal_error"
     assert key in gone.json()["error"]["message"]

@@ -242,7 +242,7 @@ def test_a_gateway_read_of_a_stalled_store_is_a_503_within_its_budget(
             assert stalled.value.status_code == 503
             assert "no answer within 0.5 s" in stalled.value.message
             # And the thread left behind ends within seconds, whatever the settings.
-            assert longest_call_s(reader._s3()) < 20
+            assert longest_call_s(reader._s3()) < 30
         finally:
             reader.close()
 
@@ -278,5 +278,5 @@ def test_reads_past_the_waiting_bound_are_refused_at_once_and_the_bound_is_relea
             refused, *stalled, after = asyncio.run(go(reader))
         finally:
             reader.close()
-    assert "2 reads of it are already waiting" in refused
+    assert "2 reads of it waiting already" in refused
     assert all("no answer within 1 s" in message for message in [*stalled, after])
