@@ -22,7 +22,8 @@ class BodyLimit:
     def _refusal(limit: int) -> ErrorBody:
         return ErrorBody(
             code=ErrorCode.PAYLOAD_TOO_LARGE,
-            message=f"The request body is larger than {limit} bytes. Nothing was enqueued.",
+            message=f"The request body is larger than {limit} bytes; the request was refused "
+            "unread (nothing was stored or enqueued).",
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

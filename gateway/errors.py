@@ -37,6 +37,17 @@ _TYPES = {
 }
 
 
+SHOWN_ID_CHARS = 80
+"""How much of an id a caller sent an error message echoes (no id is longer)."""
+
+
+def shown(value: str) -> str:
+    """``value`` as an error message quotes it: ``repr``, cut after ``SHOWN_ID_CHARS``."""
+    if len(value) <= SHOWN_ID_CHARS:
+        return repr(value)
+    return f"{value[:SHOWN_ID_CHARS]!r}... ({len(value)} characters)"
+
+
 def error_type(status_code: int) -> str:
     """OpenAI's error ``type`` for an HTTP status."""
     return _TYPES.get(status_code, "server_error" if status_code >= 500 else "api_error")

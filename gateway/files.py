@@ -22,7 +22,7 @@ from contracts.storage import stored_result
 from contracts.tenants import TenantRecord
 from gateway.batches import Batches, openai_file_errors, refused
 from gateway.config import GatewaySettings
-from gateway.errors import ApiError
+from gateway.errors import ApiError, shown
 from gateway.openai_schemas import chat_completion_of, completion_of
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class FileObject(BaseModel):
 
 
 def _not_found(file_id: str) -> ApiError:
-    return ApiError(404, ErrorCode.FILE_NOT_FOUND, f"No file with id {file_id!r} exists.")
+    return ApiError(404, ErrorCode.FILE_NOT_FOUND, f"No file with id {shown(file_id)} exists.")
 
 
 def _output_line(

@@ -28,7 +28,15 @@ from gateway.batches import (
     parse_openai,
 )
 from gateway.deps import BatchesDep, FilesDep
-from gateway.errors import ADMISSION, AUTHENTICATED, ApiError, invalid, responses, unavailable
+from gateway.errors import (
+    ADMISSION,
+    AUTHENTICATED,
+    ApiError,
+    invalid,
+    responses,
+    shown,
+    unavailable,
+)
 from gateway.idempotency import fingerprint
 from gateway.json_bodies import loads_off_loop
 from gateway.routes.jobs import IdempotencyKeyHeader
@@ -62,7 +70,7 @@ _BODY = {
 
 
 def _not_found(batch_id: str) -> ApiError:
-    return ApiError(404, ErrorCode.BATCH_NOT_FOUND, f"No batch with id {batch_id!r} exists.")
+    return ApiError(404, ErrorCode.BATCH_NOT_FOUND, f"No batch with id {shown(batch_id)} exists.")
 
 
 @router.post(

@@ -20,7 +20,7 @@ from gateway.deps import (
     SubmitterDep,
     WaiterDep,
 )
-from gateway.errors import ADMISSION, AUTHENTICATED, ApiError, responses, unavailable
+from gateway.errors import ADMISSION, AUTHENTICATED, ApiError, responses, shown, unavailable
 from gateway.idempotency import fingerprint
 from gateway.submit import Idempotency, Submission
 from gateway.webhooks import delivery_status
@@ -47,7 +47,7 @@ IdempotencyKeyHeader = Annotated[
 
 def _not_found(job_id: str) -> ApiError:
     # The same answer whether the job never existed or belongs to another tenant.
-    return ApiError(404, ErrorCode.JOB_NOT_FOUND, f"No job with id {job_id!r} exists.")
+    return ApiError(404, ErrorCode.JOB_NOT_FOUND, f"No job with id {shown(job_id)} exists.")
 
 
 @router.post(

@@ -148,8 +148,11 @@ def test_over_long_and_non_finite_query_parameters_are_refused(
         assert response.json()["error"]["code"] in ("validation_error", "webhook_url_forbidden")
     for wait in ("nan", "inf", "1e999", "-1", "x" * 5000):
         _refused(http.get("/v1/jobs/abc", params={"wait_s": wait}), 422, "validation_error")
-    _refused(http.get("/v1/jobs/" + "x" * 5000), 404, "job_not_found")
-    _refused(http.get("/v1/files/" + "x" * 5000), 404, "file_not_found")
+    for path, code in (("jobs", "job_not_found"), ("files", "file_not_found")):
+        error = _refused(http.get(f"/v1/{path}/" + "x" * 5000), 404, code)
+        assert len(error["message"]) < 200 and "(5000 characters)" in error["message"]
+    error = _refused(http.get("/v1/batches/" + "x" * 5000), 404, "batch_not_found")
+    assert len(error["message"]) < 200
     assert admitted_state(private_redis, "acme") == NOTHING
 
 
