@@ -113,6 +113,17 @@ def test_framework_errors_come_in_our_envelope(http: httpx.Client) -> None:
     assert broken.status_code == 422 and broken.json()["error"]["code"] == "validation_error"
 
 
+@pytest.mark.parametrize("body", [b"A" * 500_000, b"\xff\xfe", b'{"a": NaN}', b"{"])
+def test_an_unreadable_body_without_a_key_is_401_not_422(http: httpx.Client, body: bytes) -> None:
+    base = str(http.base_url).rstrip("/")
+    for headers in ({}, {"authorization": "Basic abc"}, {"authorization": "Bearer nope"}):
+        response = httpx.post(f"{base}/v1/jobs", content=body, headers=headers)
+        _refused(response, 401, "unauthorized")
+        assert response.headers["www-authenticate"] == "Bearer"
+    # With a key, the body is what is wrong.
+    _refused(http.post("/v1/jobs", content=body), 422, "validation_error")
+
+
 @pytest.mark.parametrize("route", ["/v1/jobs", "/v1/completions"])
 def test_an_empty_idempotency_key_is_refused(
     http: httpx.Client, private_redis: Redis, published: dict[str, AdapterRecord], route: str
