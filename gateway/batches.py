@@ -26,6 +26,7 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -101,10 +102,11 @@ class OpenAIBatchCreate(BaseModel):
         default="24h", description="OpenAI's only window; lorafleet's is each job's deadline"
     )
     metadata: dict[str, str] | None = None
-    # lorafleet's own shape (``BatchCreate``): refused beside ``input_file_id``, not dropped.
-    requests: Any = Field(default=None, exclude=True)
-    webhook: Any = Field(default=None, exclude=True)
-    deadline_s: Any = Field(default=None, exclude=True)
+    # lorafleet's own shape (``BatchCreate``): refused beside ``input_file_id``, not dropped
+    # (and not part of this shape's schema).
+    requests: SkipJsonSchema[Any] = Field(default=None, exclude=True)
+    webhook: SkipJsonSchema[Any] = Field(default=None, exclude=True)
+    deadline_s: SkipJsonSchema[Any] = Field(default=None, exclude=True)
 
     @field_validator("requests", "webhook", "deadline_s")
     @classmethod

@@ -416,10 +416,10 @@ class AdapterCache:
             return self._download(digest, protect)
         finally:
             with self._cond:
+                self._downloads.pop(digest, None)
                 # A failed fetch keeps the adapter's request rate: those requests were made,
                 # and the next fetch (the store back) should weigh them. Rates of adapters
                 # not here fade and are pruned (``expect``).
-                self._downloads.pop(digest, None)
 
     def verify(self, digest: str) -> tuple[str, float]:
         """Re-hash the files on disk; on mismatch quarantine them and fail closed.
