@@ -38,6 +38,19 @@ MAX_WAITING = READ_THREADS * 16
 rather than queued behind reads that may all be stalled on an unreachable store."""
 
 
+_UNREACHABLE = "the object store holding its result is unreachable ({})"
+
+
+def _unavailable(job: JobPublic, why: str) -> ApiError:
+    """The retryable 503 of a succeeded job whose result cannot be read now."""
+    return ApiError(
+        503,
+        ErrorCode.SERVICE_UNAVAILABLE,
+        f"Job {job.id} succeeded, but {why}; retry.",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
 class ResultReader:
     def __init__(
         self,
@@ -73,12 +86,10 @@ class ResultReader:
         if stored is None:
             return job
         if self._waiting >= self._max_waiting:
-            raise ApiError(
-                503,
-                ErrorCode.SERVICE_UNAVAILABLE,
-                f"Job {job.id} succeeded, but its result is kept in the object store and "
-                f"this gateway has {self._waiting} reads of it waiting already; retry.",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
+            raise _unavailable(
+                job,
+                "its result is kept in the object store and this gateway has "
+                f"{self._waiting} reads of it waiting already",
             )
         self._waiting += 1
         try:
@@ -96,9 +107,10 @@ class ResultReader:
                 "in the README) or the gateway may not read it (s3:GetObject).",
             ) from None
         except TimeoutError:
-            raise self._unavailable(job, f"no answer within {self._budget_s:g} s") from None
+            why = _UNREACHABLE.format(f"no answer within {self._budget_s:g} s")
+            raise _unavailable(job, why) from None
         except Exception as exc:  # botocore's errors, which this module does not import
-            raise self._unavailable(job, type(exc).__name__) from exc
+            raise _unavailable(job, _UNREACHABLE.format(type(exc).__name__)) from exc
         finally:
             self._waiting -= 1
         try:
@@ -110,16 +122,6 @@ class ResultReader:
                 f"Job {job.id} succeeded, but its result in the object store is damaged: {exc}.",
             ) from exc
         return job.model_copy(update={"result": result})
-
-    @staticmethod
-    def _unavailable(job: JobPublic, why: str) -> ApiError:
-        return ApiError(
-            503,
-            ErrorCode.SERVICE_UNAVAILABLE,
-            f"Job {job.id} succeeded, but the object store holding its result is "
-            f"unreachable ({why}); retry.",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
 
     def _get(self, stored: StoredResult) -> bytes:
         client = self._s3()
