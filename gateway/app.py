@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from redis.asyncio import Redis
@@ -113,4 +114,16 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(batches.router)
     app.include_router(files.router)
     app.include_router(fleet.router)
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        document = generate()  # kept as ``app.openapi_schema``
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        for name, schema in batches.body_schemas().items():
+            schemas.setdefault(name, schema)
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
+from pydantic.json_schema import models_json_schema
 from redis.exceptions import RedisError
 
 from contracts.batches import BatchPublic
@@ -67,6 +68,19 @@ _BODY = {
         },
     }
 }
+
+
+def body_schemas() -> dict[str, Any]:
+    """The components ``_BODY`` refers to, for the app's OpenAPI document.
+
+    FastAPI never sees these models (the route reads its JSON or JSONL body itself), so it
+    would not put them in ``components``.
+    """
+    _, document = models_json_schema(
+        [(BatchCreate, "validation"), (OpenAIBatchCreate, "validation")],
+        ref_template="#/components/schemas/{model}",
+    )
+    return dict(document["$defs"])
 
 
 def _not_found(batch_id: str) -> ApiError:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -64,6 +64,33 @@ def test_openapi_document_is_valid_and_lists_every_endpoint_with_its_error_codes
     everything = set().union(*(_codes(op) for op in operations))
     gateway_codes = {code.value for code in ErrorCode} - _WORKER_OR_CLI_ONLY - _FRAMEWORK
     assert gateway_codes <= everything, gateway_codes - everything
+
+
+def _refs(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        if isinstance(node.get("$ref"), str):
+            yield node["$ref"]
+        for value in node.values():
+            yield from _refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _refs(value)
+
+
+def test_every_reference_in_the_openapi_document_resolves() -> None:
+    document = create_app(GatewaySettings()).openapi()
+    schemas = document["components"]["schemas"]
+    refs = set(_refs(document))
+    assert "#/components/schemas/BatchCreate" in refs  # the batch route's two body shapes
+    dangling = {
+        ref
+        for ref in refs
+        if not ref.startswith("#/components/schemas/")
+        or ref.removeprefix("#/components/schemas/") not in schemas
+    }
+    assert not dangling, dangling
+    for name, field in (("BatchCreate", "requests"), ("OpenAIBatchCreate", "input_file_id")):
+        assert field in schemas[name]["required"], schemas[name]
 
 
 _WORKER_OR_CLI_ONLY = {
