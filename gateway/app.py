@@ -106,6 +106,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_body_bytes,
+        timeout_s=settings.body_timeout_s,
         larger={"/v1/batches": settings.max_batch_bytes, "/v1/files": settings.max_batch_bytes},
     )
     app.include_router(health.router)

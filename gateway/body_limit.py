@@ -1,10 +1,16 @@
-"""Refuse request bodies over a size limit (413) before reading them whole.
+"""Refuse request bodies over a size limit (413) before reading them whole, and bodies that
+stop arriving (408).
 
 A declared ``Content-Length`` over the limit is refused before a byte of the body is read; a
-chunked body is counted as it arrives and refused as soon as it passes the limit.
+chunked body is counted as it arrives and refused as soon as it passes the limit. While a body
+is not whole, each next piece must come within ``timeout_s``: a client that declares a body and
+stops sending it would otherwise hold its connection (and a coroutine) for ever. Once the body
+is whole, the app's further reads (it listens for the client leaving) wait without a bound.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -13,9 +19,16 @@ from gateway.errors import error_response
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int, larger: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        timeout_s: float,
+        larger: dict[str, int] | None = None,
+    ) -> None:
         self._app = app
         self._max_bytes = max_bytes
+        self._timeout_s = timeout_s
         self._larger = larger or {}
 
     @staticmethod
@@ -24,6 +37,14 @@ class BodyLimit:
             code=ErrorCode.PAYLOAD_TOO_LARGE,
             message=f"The request body is larger than {limit} bytes; the request was refused "
             "unread (nothing was stored or enqueued).",
+        )
+
+    def _stalled(self) -> ErrorBody:
+        return ErrorBody(
+            code=ErrorCode.BODY_TIMEOUT,
+            message=f"The request body stopped arriving: no part of it came for "
+            f"{self._timeout_s:g} s. The request was not served (nothing was stored or "
+            "enqueued); send the whole body.",
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -36,22 +57,32 @@ class BodyLimit:
             await error_response(413, self._refusal(limit))(scope, receive, send)
             return
         seen = 0
-        refused = started = False
+        refused = started = whole = False
+
+        async def refuse(status: int, body: ErrorBody) -> Message:
+            # Answer now and tell the app the client left, so it stops reading; whatever it
+            # answers after that is dropped.
+            nonlocal refused
+            if not started and not refused:
+                refused = True
+                await error_response(status, body)(scope, receive, send)
+            return {"type": "http.disconnect"}
 
         async def counted() -> Message:
-            # Over the limit: answer 413 now and tell the app the client left, so it stops
-            # reading; whatever it answers after that is dropped.
-            nonlocal seen, refused
-            if seen > limit:
+            nonlocal seen, whole
+            if refused or seen > limit:
                 return {"type": "http.disconnect"}
-            message = await receive()
+            if whole:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self._timeout_s)
+            except TimeoutError:
+                return await refuse(408, self._stalled())
             if message["type"] == "http.request":
+                whole = not message.get("more_body", False)
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    if not started:
-                        refused = True
-                        await error_response(413, self._refusal(limit))(scope, receive, send)
-                    return {"type": "http.disconnect"}
+                    return await refuse(413, self._refusal(limit))
             return message
 
         async def unless_refused(message: Message) -> None:

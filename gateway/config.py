@@ -31,6 +31,13 @@ class GatewaySettings(ServiceSettings):
     max_body_bytes: int = Field(
         default=1024 * 1024, ge=1024, description="Largest request body; larger is 413."
     )
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest wait for the next piece of a request body that is not whole yet: "
+        "past it the request is 408 and its connection closed (a client that stops sending "
+        "cannot hold a connection).",
+    )
     max_admitted_hot: int = Field(
         default=10_000,
         ge=1,

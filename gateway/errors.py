@@ -213,6 +213,7 @@ _STATUS = {
     ErrorCode.JOB_FINISHED: 409,
     ErrorCode.IDEMPOTENCY_CONFLICT: 409,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.BODY_TIMEOUT: 408,
     ErrorCode.TIER_LIMIT_EXCEEDED: 429,
     ErrorCode.TENANT_CONCURRENCY_EXCEEDED: 429,
     ErrorCode.TENANT_RATE_EXCEEDED: 429,
@@ -234,6 +235,7 @@ AUTHENTICATED = (
     ErrorCode.UNAUTHORIZED,
     ErrorCode.VALIDATION_ERROR,
     ErrorCode.PAYLOAD_TOO_LARGE,
+    ErrorCode.BODY_TIMEOUT,
     ErrorCode.SERVICE_UNAVAILABLE,
 )
 """Codes any authenticated endpoint can answer."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -245,6 +247,47 @@ def test_oversized_body_is_413_before_it_is_read(
         assert chunked.json()["error"]["code"] == "payload_too_large"
         assert http.post("/v1/jobs", json=_job(_cold(published))).status_code == 202
     assert _state(private_redis, "acme")["records"] == 1
+
+
+def test_a_body_that_stops_arriving_is_408_and_its_connection_closed(
+    private_gateway: Callable[..., Any],
+    tenant_key: Callable[..., str],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    """A client that declares a body and sends part of it (a slow-loris) is answered 408
+    once no piece arrived for ``LORAFLEET_BODY_TIMEOUT_S``, and its connection is closed
+    instead of held; a body that arrives in slow pieces within the bound is served."""
+    key = tenant_key("acme")
+    body = json.dumps(_job(_cold(published))).encode()
+    head = (
+        f"POST /v1/jobs HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with private_gateway(body_timeout_s=1.0) as url:
+        address = httpx.URL(url)
+        with socket.create_connection((address.host, address.port), timeout=30) as held:
+            held.sendall(head + body[:10])  # and nothing more
+            answer = b""
+            while chunk := held.recv(65536):  # until the gateway closes it
+                answer += chunk
+        status, _, rest = answer.partition(b"\r\n")
+        assert status == b"HTTP/1.1 408 Request Timeout", answer
+        error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+        assert error["code"] == "body_timeout", error
+        assert "1 s" in error["message"], error
+
+        def slowly() -> Iterator[bytes]:  # pieces 0.3 s apart: each within the bound
+            for start in range(0, len(body), 40):
+                time.sleep(0.3)
+                yield body[start : start + 40]
+
+        with httpx.Client(base_url=url, headers=auth_headers(key), timeout=60) as http:
+            served = http.post(
+                "/v1/jobs", content=slowly(), headers={"content-type": "application/json"}
+            )
+            assert served.status_code == 202, served.text
+    assert _state(private_redis, "acme")["records"] == 1  # the cut-off one left nothing
 
 
 def test_idempotency_key_replays_the_same_job_once_even_concurrently(
