@@ -27,7 +27,7 @@ from contracts.keys import (
     tenant_key,
 )
 from contracts.tenants import ALL_ADAPTERS, ApiKeyRecord, TenantRecord
-from gateway.errors import ApiError
+from gateway.errors import ApiError, shown
 from gateway.registry import Resolved, UnreadableAlias, resolution
 
 _UNAUTHORIZED = (
@@ -109,7 +109,7 @@ class Access:
             raise ApiError(
                 404,
                 ErrorCode.ADAPTER_NOT_FOUND,
-                f"No adapter named {self.name!r} is available. Nothing was enqueued.",
+                f"No adapter named {shown(self.name)} is available. Nothing was enqueued.",
                 param="adapter",
             )
         if self.resolved.retired:

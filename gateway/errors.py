@@ -41,11 +41,22 @@ SHOWN_ID_CHARS = 80
 """How much of an id a caller sent an error message echoes (no id is longer)."""
 
 
-def shown(value: str) -> str:
-    """``value`` as an error message quotes it: ``repr``, cut after ``SHOWN_ID_CHARS``."""
-    if len(value) <= SHOWN_ID_CHARS:
-        return repr(value)
-    return f"{value[:SHOWN_ID_CHARS]!r}... ({len(value)} characters)"
+def shown(value: object) -> str:
+    """``value``, sent by a caller, as an error message quotes it: ``repr``, cut after
+    ``SHOWN_ID_CHARS`` (a name or a value can be as long as the body that carried it)."""
+    if isinstance(value, str):
+        if len(value) <= SHOWN_ID_CHARS:
+            return repr(value)
+        return f"{value[:SHOWN_ID_CHARS]!r}... ({len(value)} characters)"
+    text = repr(value)
+    if len(text) <= SHOWN_ID_CHARS:
+        return text
+    return f"{text[:SHOWN_ID_CHARS]}... ({len(text)} characters)"
+
+
+def cut(name: str) -> str:
+    """A caller-chosen name (a field, a parameter) cut after ``SHOWN_ID_CHARS``, unquoted."""
+    return name if len(name) <= SHOWN_ID_CHARS else f"{name[:SHOWN_ID_CHARS]}..."
 
 
 def error_type(status_code: int) -> str:
@@ -110,7 +121,11 @@ def error_response(
     param: str | None = None,
 ) -> JSONResponse:
     envelope = ErrorEnvelope(
-        error=ErrorEnvelopeBody(**body.model_dump(), type=error_type(status_code), param=param)
+        error=ErrorEnvelopeBody(
+            **body.model_dump(),
+            type=error_type(status_code),
+            param=None if param is None else cut(param),
+        )
     )
     content = envelope.model_dump(mode="json")
     if body.details is None:
@@ -126,7 +141,7 @@ async def _api_error(_: Request, exc: Exception) -> JSONResponse:
 
 def problem(item: Mapping[str, Any], empty: str = "body") -> tuple[str, str]:
     """A pydantic error as (dotted field, message); ``empty`` names a location-less one."""
-    field = ".".join(str(part) for part in item.get("loc", ())) or empty
+    field = ".".join(cut(str(part)) for part in item.get("loc", ())) or empty
     return field, str(item.get("msg", "invalid"))
 
 
@@ -159,11 +174,11 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     headers = dict(exc.headers) if exc.headers else None
     if exc.status_code == 404:
-        message = f"No route {request.url.path!r}; see /openapi.json for the API."
+        message = f"No route {shown(request.url.path)}; see /openapi.json for the API."
         body = ErrorBody(code=ErrorCode.ROUTE_NOT_FOUND, message=message)
         return error_response(404, body, headers)
     if exc.status_code == 405:
-        message = f"{request.method} is not allowed on {request.url.path!r}."
+        message = f"{shown(request.method)} is not allowed on {shown(request.url.path)}."
         body = ErrorBody(code=ErrorCode.METHOD_NOT_ALLOWED, message=message)
         return error_response(405, body, headers)
     if exc.status_code == 413:

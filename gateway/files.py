@@ -138,7 +138,7 @@ class Files:
             raise ApiError(
                 422,
                 ErrorCode.VALIDATION_ERROR,
-                f"Invalid request: purpose: only 'batch' files are accepted, not {purpose!r}.",
+                f"Invalid request: purpose: only 'batch' files are accepted, not {shown(purpose)}.",
                 param="purpose",
             )
         errors, total = await run_in_threadpool(openai_file_errors, content)

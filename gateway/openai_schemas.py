@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from contracts.errors import ErrorCode
 from contracts.jobs import MAX_PROMPT_CHARS, JobPublic, ResultMetadata, Sampling, Usage
-from gateway.errors import ApiError
+from gateway.errors import ApiError, shown
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for ``max_tokens`` when a request leaves it out."""
@@ -82,7 +82,7 @@ class OpenAIRequest(BaseModel):
                 raise ApiError(
                     422,
                     ErrorCode.UNSUPPORTED_PARAMETER,
-                    f"Parameter {name!r} is not supported by lorafleet; it is refused rather "
+                    f"Parameter {shown(name)} is not supported by lorafleet; it is refused rather "
                     "than ignored. Nothing was enqueued.",
                     param=name,
                 )
@@ -91,7 +91,7 @@ class OpenAIRequest(BaseModel):
                 raise ApiError(
                     422,
                     ErrorCode.UNSUPPORTED_PARAMETER,
-                    f"Parameter {name!r} = {value!r} is not supported by lorafleet "
+                    f"Parameter {shown(name)} = {shown(value)} is not supported by lorafleet "
                     f"(only {allowed}). Nothing was enqueued.",
                     param=name,
                 )

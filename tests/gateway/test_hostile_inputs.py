@@ -113,6 +113,37 @@ def test_framework_errors_come_in_our_envelope(http: httpx.Client) -> None:
     assert broken.status_code == 422 and broken.json()["error"]["code"] == "validation_error"
 
 
+def test_a_long_value_a_caller_sent_is_quoted_cut_in_the_error_message(
+    http: httpx.Client, private_redis: Redis, published: dict[str, AdapterRecord]
+) -> None:
+    long = "x" * 100_000
+    chat = [{"role": "user", "content": "hi"}]
+    refusals = [
+        (http.post("/v1/completions", json={"model": long, "prompt": "hi"}), 404),
+        (http.post("/v1/chat/completions", json={"model": long, "messages": chat}), 404),
+        (
+            http.post("/v1/completions", json={"model": _cold(published), "prompt": "hi", long: 1}),
+            422,
+        ),
+        (
+            http.post(
+                "/v1/completions",
+                json={"model": _cold(published), "prompt": "hi", "logit_bias": {long: 1}},
+            ),
+            422,
+        ),
+        (http.post("/v1/files", files={"file": ("a.jsonl", b"{}")}, data={"purpose": long}), 422),
+        (http.get("/v1/" + "y" * 20_000), 404),
+        (http.post("/v1/jobs", json={"adapter": "a", "prompt": "hi", long: 1}), 422),
+    ]
+    for response, status in refusals:
+        assert response.status_code == status, response.text[:300]
+        message = response.json()["error"]["message"]
+        assert len(message) < 400 and "..." in message, message[:400]
+        assert len(response.content) < 2000, response.text[:2000]  # its param, its details
+    assert admitted_state(private_redis, "acme") == NOTHING
+
+
 @pytest.mark.parametrize("body", [b"A" * 500_000, b"\xff\xfe", b'{"a": NaN}', b"{"])
 def test_an_unreadable_body_without_a_key_is_401_not_422(http: httpx.Client, body: bytes) -> None:
     base = str(http.base_url).rstrip("/")
