@@ -49,8 +49,51 @@ _IGNORED = frozenset(
 )
 
 
+# A chat message's fields besides ``role`` and ``content`` -> their neutral values: the ones
+# OpenAI returns empty on an assistant message, which clients send back in the next turn.
+_MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "refusal": (),
+    "annotations": ([],),
+    "audio": (),
+    "function_call": (),
+    "tool_calls": ([],),
+}
+
+
 def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
     return value is None or any(type(value) is type(n) and value == n for n in neutral)
+
+
+def _refuse_unless_neutral(
+    extra: dict[str, Any], neutral: dict[str, tuple[Any, ...]], where: str = ""
+) -> None:
+    for name, value in extra.items():
+        if name not in neutral:
+            raise ApiError(
+                422,
+                ErrorCode.UNSUPPORTED_PARAMETER,
+                f"Parameter {shown(where + name)} is not supported by lorafleet; it is refused "
+                "rather than ignored. Nothing was enqueued.",
+                param=where + name,
+            )
+        if not _neutral(value, neutral[name]):
+            allowed = " or ".join(repr(n) for n in (None, *neutral[name]))
+            raise ApiError(
+                422,
+                ErrorCode.UNSUPPORTED_PARAMETER,
+                f"Parameter {shown(where + name)} = {shown(value)} is not supported by "
+                f"lorafleet (only {allowed}). Nothing was enqueued.",
+                param=where + name,
+            )
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = Field(
+        default=None, description="accepted; lorafleet's chunks carry no obfuscation padding"
+    )
 
 
 class OpenAIRequest(BaseModel):
@@ -69,36 +112,26 @@ class OpenAIRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(default=False, description="lorafleet/vLLM extension")
     deadline_s: float | None = Field(default=None, gt=0, description="lorafleet extension")
 
     def check(self) -> None:
         """Refuse what the schema can't express: features lorafleet does not serve."""
-        for name, value in (self.model_extra or {}).items():
-            if name in _IGNORED:
-                continue
-            if name not in _NEUTRAL:
-                raise ApiError(
-                    422,
-                    ErrorCode.UNSUPPORTED_PARAMETER,
-                    f"Parameter {shown(name)} is not supported by lorafleet; it is refused rather "
-                    "than ignored. Nothing was enqueued.",
-                    param=name,
-                )
-            if not _neutral(value, _NEUTRAL[name]):
-                allowed = " or ".join(repr(n) for n in (None, *_NEUTRAL[name]))
-                raise ApiError(
-                    422,
-                    ErrorCode.UNSUPPORTED_PARAMETER,
-                    f"Parameter {shown(name)} = {shown(value)} is not supported by lorafleet "
-                    f"(only {allowed}). Nothing was enqueued.",
-                    param=name,
-                )
+        extra = self.model_extra or {}
+        _refuse_unless_neutral({k: v for k, v in extra.items() if k not in _IGNORED}, _NEUTRAL)
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(
+                422,
+                ErrorCode.VALIDATION_ERROR,
+                "Invalid request: stream_options: only allowed when stream is true. Nothing was "
+                "enqueued.",
+                param="stream_options",
+            )
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     def sampling(self, default_max_tokens: int) -> Sampling:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -148,24 +181,35 @@ class CompletionCreate(OpenAIRequest):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # Other fields: refused unless neutral (``check``), as the request's own parameters are.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
+    name: str | None = Field(
+        default=None, max_length=256, description="passed to the chat template, as vLLM does"
+    )
+
+    def check(self, index: int) -> None:
+        _refuse_unless_neutral(self.model_extra or {}, _MESSAGE_NEUTRAL, f"messages.{index}.")
 
     def rendered(self) -> dict[str, str]:
-        """As chat templates expect it: ``{"role", "content"}`` with plain-text content."""
+        """As chat templates expect it: ``{"role", "content"}`` with plain-text content (and
+        ``name`` when the message has one)."""
         content = self.content
         if not isinstance(content, str):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content}
+        message = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionCreate(OpenAIRequest):
@@ -173,6 +217,11 @@ class ChatCompletionCreate(OpenAIRequest):
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=1000)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=4096)
+
+    def check(self) -> None:
+        super().check()
+        for index, message in enumerate(self.messages):
+            message.check(index)
 
     def sampling(self, default_max_tokens: int) -> Sampling:
         sampling = super().sampling(default_max_tokens)

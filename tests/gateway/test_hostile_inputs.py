@@ -237,6 +237,41 @@ def test_neutral_openai_parameters_are_accepted(
     assert admitted_state(private_redis, "acme")["queued"] == 1
 
 
+def test_an_assistant_message_sent_back_as_a_client_received_it_is_accepted(
+    http: httpx.Client, private_redis: Redis, published: dict[str, AdapterRecord]
+) -> None:
+    """Clients send the assistant message they were given back in the next turn, with the
+    fields OpenAI returns empty (and a participant's ``name``): none changes the output."""
+    received = {
+        "role": "assistant",
+        "content": "four",
+        "refusal": None,
+        "annotations": [],
+        "audio": None,
+        "function_call": None,
+        "tool_calls": None,
+    }
+    body = {
+        "model": _cold(published),
+        "messages": [
+            {"role": "user", "content": "what is 2+2?", "name": "ann"},
+            received,
+            {"role": "user", "content": [{"type": "text", "text": "and 3+3?"}]},
+        ],
+        "stream_options": None,
+    }
+    _refused(http.post("/v1/chat/completions", json=body), 504, "timeout")
+    assert admitted_state(private_redis, "acme")["queued"] == 1
+    body = {"model": _cold(published), "prompt": "hi", "stream": True}
+    for options in (
+        {"include_usage": False},
+        {"include_usage": True, "include_obfuscation": False},
+    ):
+        with http.stream("POST", "/v1/completions", json=body | {"stream_options": options}) as r:
+            assert r.status_code == 200, r.read()
+    assert admitted_state(private_redis, "acme")["queued"] == 3
+
+
 def test_output_changing_parameters_reach_the_engine_request(
     http: httpx.Client, private_redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
@@ -312,6 +347,32 @@ STRICT = [
     ("/v1/completions", {"prompt": 5}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "a": 1}]}, "messages"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "a": {}}]}]},
+        "messages",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "user", "content": "what is 2+2?"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": ""}}
+                    ],
+                },
+                {"role": "user", "content": "and?"},
+            ]
+        },
+        "messages",
+    ),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"stream": True, "stream_options": {"usage": True}}, "stream_options"),
+    ("/v1/completions", {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
     ("/v1/jobs", {"sampling": {"max_tokens": "8"}}, "sampling.max_tokens"),
     ("/v1/jobs", {"sampling": {"ignore_eos": "yes"}}, "sampling.ignore_eos"),
     ("/v1/jobs", {"deadline_s": "10"}, "deadline_s"),
