@@ -26,6 +26,7 @@ class ErrorCode(StrEnum):
     TENANT_RATE_EXCEEDED = "tenant_rate_exceeded"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     BODY_TIMEOUT = "body_timeout"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     PROMPT_TOO_LONG = "prompt_too_long"
     IDEMPOTENCY_CONFLICT = "idempotency_conflict"
     UNSUPPORTED_PARAMETER = "unsupported_parameter"

@@ -12,7 +12,7 @@ from contracts.errors import ErrorBody, ErrorCode
 from contracts.strict_json import JsonRefusal, loads
 from contracts.tenants import KEY_PREFIX
 from gateway.access import refused
-from gateway.errors import error_response
+from gateway.errors import error_response, shown
 
 THREAD_ABOVE_BYTES = 64 * 1024
 """Bodies larger than this are parsed in a worker thread, off the event loop."""
@@ -29,11 +29,26 @@ async def loads_off_loop(raw: bytes) -> Any:
     return loads(raw)
 
 
+JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/jsonlines")
+
+_BODY_TYPES: dict[str, tuple[str, ...]] = {
+    "/v1/jobs": (),
+    "/v1/completions": (),
+    "/v1/chat/completions": (),
+    "/v1/batches": JSONL_TYPES,
+}
+"""Routes whose body is JSON -> the other media types they read."""
+
+
+def _media_type(scope: Scope) -> str:
+    raw: bytes = dict(scope["headers"]).get(b"content-type", b"")
+    return raw.split(b";")[0].strip().lower().decode("latin-1")
+
+
 def is_json(scope: Scope) -> bool:
     """Does FastAPI read this request's body as JSON (a JSON content type, or none)?"""
-    headers = dict(scope["headers"])
-    content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-    return content_type in (b"", b"application/json") or content_type.endswith(b"+json")
+    media_type = _media_type(scope)
+    return media_type in ("", "application/json") or media_type.endswith("+json")
 
 
 def _presents_a_key(scope: Scope) -> bool:
@@ -56,6 +71,10 @@ class StrictJsonBodies:
             await self._app(scope, receive, send)
             return
         if not is_json(scope):
+            others = _BODY_TYPES.get(scope["path"])
+            if others is not None and _media_type(scope) not in others:
+                await _refuse(scope, receive, send, 415, _not_json(_media_type(scope), others))
+                return
             await self._app(scope, receive, send)
             return
         chunks: list[bytes] = []
@@ -71,19 +90,11 @@ class StrictJsonBodies:
             try:
                 scope.setdefault("state", {})[PARSED] = await loads_off_loop(body)
             except JsonRefusal as exc:
-                if not _presents_a_key(scope):
-                    # Who is asking comes first: without a key the answer is 401, as it is
-                    # for a readable body (the routes' key check runs before their body's).
-                    denied = refused()
-                    body_of = ErrorBody(code=denied.code, message=denied.message)
-                    response = error_response(401, body_of, headers=denied.headers)
-                    await response(scope, receive, send)
-                    return
                 refusal = ErrorBody(
                     code=ErrorCode.VALIDATION_ERROR,
                     message=f"Invalid request: body: {exc}. Nothing was enqueued.",
                 )
-                await error_response(422, refusal, param="body")(scope, receive, send)
+                await _refuse(scope, receive, send, 422, refusal)
                 return
         replayed = False
 
@@ -95,3 +106,25 @@ class StrictJsonBodies:
             return await receive()
 
         await self._app(scope, replay, send)
+
+
+def _not_json(media_type: str, others: tuple[str, ...]) -> ErrorBody:
+    accepted = " or ".join(("application/json", *others))
+    return ErrorBody(
+        code=ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+        message=f"The body must be sent as Content-Type: {accepted}, not {shown(media_type)} "
+        "(curl -d sends application/x-www-form-urlencoded: add -H 'Content-Type: "
+        "application/json'). Nothing was enqueued.",
+    )
+
+
+async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, body: ErrorBody) -> None:
+    """Answer a body this middleware will not pass on, unless the request has no key: who is
+    asking comes first, and without a key the answer is 401, as it is for a readable body
+    (the routes' key check runs before their body's)."""
+    if not _presents_a_key(scope):
+        denied = refused()
+        body = ErrorBody(code=denied.code, message=denied.message)
+        await error_response(401, body, headers=denied.headers)(scope, receive, send)
+        return
+    await error_response(status, body, param="body")(scope, receive, send)

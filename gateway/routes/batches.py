@@ -39,13 +39,12 @@ from gateway.errors import (
     unavailable,
 )
 from gateway.idempotency import fingerprint
-from gateway.json_bodies import loads_off_loop
+from gateway.json_bodies import JSONL_TYPES, loads_off_loop
 from gateway.routes.jobs import IdempotencyKeyHeader
 from gateway.submit import Idempotency
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
-JSONL_TYPES = ("application/jsonl", "application/x-ndjson", "application/jsonlines")
 _NDJSON: dict[int | str, dict[str, Any]] = {200: {"content": {"application/x-ndjson": {}}}}
 _REPLAY: dict[int | str, dict[str, Any]] = {
     200: {"model": BatchPublic, "description": "Idempotent replay: the earlier batch"}
@@ -128,7 +127,7 @@ async def create_batch(
 
     With an ``Idempotency-Key`` seen before (the same body, byte for byte, and query): 200
     and the earlier batch, nothing enqueued again."""
-    content_type = request.headers.get("content-type", "").split(";")[0].strip()
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     body = await request.body()
     idempotency = None
     if idempotency_key is not None:

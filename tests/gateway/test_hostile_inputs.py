@@ -144,6 +144,26 @@ def test_a_long_value_a_caller_sent_is_quoted_cut_in_the_error_message(
     assert admitted_state(private_redis, "acme") == NOTHING
 
 
+@pytest.mark.parametrize("route", list(TEMPLATES))
+def test_a_json_body_sent_as_another_media_type_is_415(
+    http: httpx.Client, private_redis: Redis, published: dict[str, AdapterRecord], route: str
+) -> None:
+    """``curl -d`` sends form-urlencoded: the answer says what to send instead of a schema
+    error about the body not being an object (and a batch is not read as JSON regardless)."""
+    body = TEMPLATES[route].replace("ADAPTER", _cold(published)).replace("VALUE", "null")
+    base = str(http.base_url).rstrip("/")
+    for media_type in ("application/x-www-form-urlencoded", "text/plain; charset=utf-8"):
+        headers = {"content-type": media_type}
+        error = _refused(
+            http.post(route, content=body, headers=headers), 415, "unsupported_media_type"
+        )
+        assert (
+            "application/json" in error["message"] and media_type.split(";")[0] in error["message"]
+        )
+        _refused(httpx.post(base + route, content=body, headers=headers), 401, "unauthorized")
+    assert admitted_state(private_redis, "acme") == NOTHING
+
+
 @pytest.mark.parametrize("body", [b"A" * 500_000, b"\xff\xfe", b'{"a": NaN}', b"{"])
 def test_an_unreadable_body_without_a_key_is_401_not_422(http: httpx.Client, body: bytes) -> None:
     base = str(http.base_url).rstrip("/")
