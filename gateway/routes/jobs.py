@@ -105,7 +105,12 @@ async def get_job(
     results: ResultsDep,
     wait_s: Annotated[
         float,
-        Query(ge=0, le=MAX_WAIT_S, description="Long-poll: wait up to this long for a result."),
+        Query(
+            ge=0,
+            le=MAX_WAIT_S,
+            allow_inf_nan=False,
+            description="Long-poll: wait up to this long for a result.",
+        ),
     ] = 0.0,
 ) -> JobPublic:
     """The job's status and, once finished, its result or error and the run metadata.

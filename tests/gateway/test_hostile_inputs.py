@@ -210,6 +210,8 @@ def test_over_long_and_non_finite_query_parameters_are_refused(
         assert response.json()["error"]["code"] in ("validation_error", "webhook_url_forbidden")
     for wait in ("nan", "inf", "1e999", "-1", "x" * 5000):
         _refused(http.get("/v1/jobs/abc", params={"wait_s": wait}), 422, "validation_error")
+    error = _refused(http.get("/v1/jobs/abc", params={"wait_s": "nan"}), 422, "validation_error")
+    assert "finite" in error["message"], error
     for path, code in (("jobs", "job_not_found"), ("files", "file_not_found")):
         error = _refused(http.get(f"/v1/{path}/" + "x" * 5000), 404, code)
         assert len(error["message"]) < 200 and "(5000 characters)" in error["message"]
