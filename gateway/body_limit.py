@@ -65,7 +65,10 @@ class BodyLimit:
             nonlocal refused
             if not started and not refused:
                 refused = True
-                await error_response(status, body)(scope, receive, send)
+                # Closed right after the answer: the rest of the body is never read, and a
+                # kept-alive connection would be held until the keep-alive timer.
+                response = error_response(status, body, headers={"Connection": "close"})
+                await response(scope, receive, send)
             return {"type": "http.disconnect"}
 
         async def counted() -> Message:

@@ -71,7 +71,8 @@ class StrictJsonBodies:
             await self._app(scope, receive, send)
             return
         if not is_json(scope):
-            others = _BODY_TYPES.get(scope["path"])
+            # All POST routes: another method there is 405, whatever its body.
+            others = _BODY_TYPES.get(scope["path"]) if scope["method"] == "POST" else None
             if others is not None and _media_type(scope) not in others:
                 await _refuse(scope, receive, send, 415, _not_json(_media_type(scope), others))
                 return

@@ -57,6 +57,9 @@ _MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "audio": (),
     "function_call": (),
     "tool_calls": ([],),
+    # vLLM's server answers these on an assistant message (null unless a reasoning parser ran).
+    "reasoning_content": (),
+    "reasoning": (),
 }
 
 

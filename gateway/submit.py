@@ -59,7 +59,10 @@ PREPARE_CHUNK = 256
 def _size(request: Submission) -> int:
     if request.messages is None:
         return len(request.prompt or "")
-    return sum(len(str(message.get("content") or "")) for message in request.messages)
+    return sum(
+        len(str(message.get("content") or "")) + len(str(message.get("name") or ""))
+        for message in request.messages
+    )
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
 from redis.exceptions import RedisError
+from starlette.requests import ClientDisconnect
 
 from contracts.batches import BatchPublic
 from contracts.errors import ErrorCode
@@ -128,7 +129,14 @@ async def create_batch(
     With an ``Idempotency-Key`` seen before (the same body, byte for byte, and query): 200
     and the earlier batch, nothing enqueued again."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect:
+        # The client left, or ``BodyLimit`` cut the body off and has answered (408, 413):
+        # nobody reads this answer. (FastAPI answers its own routes' bodies so.)
+        raise ApiError(
+            400, ErrorCode.VALIDATION_ERROR, "The request body did not arrive whole."
+        ) from None
     idempotency = None
     if idempotency_key is not None:
         asked = {

@@ -47,6 +47,7 @@ from gateway.errors import (
     error_type,
     invalid,
     responses,
+    shown,
     unavailable,
 )
 from gateway.idempotency import fingerprint
@@ -111,7 +112,7 @@ async def get_model(model: str, tenant: TenantDep, redis: RedisDep) -> ModelCard
         raise ApiError(
             404,
             ErrorCode.ADAPTER_NOT_FOUND,
-            f"No adapter named {model!r} is available.",
+            f"No adapter named {shown(model)} is available.",
             param="model",
         )
     return _card(model, models[model])

@@ -17,9 +17,10 @@ import httpx
 import pytest
 from redis import Redis
 
-from contracts.jobs import MAX_PROMPT_CHARS
+from contracts.jobs import MAX_PROMPT_CHARS, Sampling
 from contracts.queues import Tier
 from contracts.registry import AdapterRecord
+from gateway.submit import INLINE_PROMPT_CHARS, Submission, _size
 from lorafleet.client import auth_headers
 from lorafleet.registry import Registry
 from lorafleet.stack import LocalStack
@@ -240,6 +241,14 @@ def test_a_channel_pointing_at_a_retired_alias_is_not_listed(
         job = {"adapter": "extract", "prompt": "hi"}
         _error(http.post("/v1/jobs", json=job), 410, "adapter_retired")
     assert admitted_state(private_redis, "acme") == NOTHING
+
+
+def test_chat_message_names_count_in_what_is_rendered_on_the_event_loop() -> None:
+    """A chat's size decides whether it is rendered on the event loop or in a prompt thread;
+    a message's ``name`` reaches the template too, so it counts."""
+    messages = [{"role": "user", "content": "hi", "name": "n" * 256} for _ in range(8)]
+    chat = Submission(adapter="a", sampling=Sampling(), messages=messages)
+    assert _size(chat) > INLINE_PROMPT_CHARS
 
 
 @pytest.mark.parametrize("route", ["/v1/batches", "/v1/chat/completions"])

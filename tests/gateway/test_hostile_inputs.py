@@ -134,6 +134,7 @@ def test_a_long_value_a_caller_sent_is_quoted_cut_in_the_error_message(
         ),
         (http.post("/v1/files", files={"file": ("a.jsonl", b"{}")}, data={"purpose": long}), 422),
         (http.get("/v1/" + "y" * 20_000), 404),
+        (http.get("/v1/models/" + "m" * 20_000), 404),
         (http.post("/v1/jobs", json={"adapter": "a", "prompt": "hi", long: 1}), 422),
     ]
     for response, status in refusals:
@@ -161,6 +162,8 @@ def test_a_json_body_sent_as_another_media_type_is_415(
             "application/json" in error["message"] and media_type.split(";")[0] in error["message"]
         )
         _refused(httpx.post(base + route, content=body, headers=headers), 401, "unauthorized")
+    put = http.put(route, content=body, headers={"content-type": "text/plain"})
+    _refused(put, 405, "method_not_allowed")  # the method is what is wrong
     assert admitted_state(private_redis, "acme") == NOTHING
 
 
@@ -282,6 +285,7 @@ def test_an_assistant_message_sent_back_as_a_client_received_it_is_accepted(
         ],
         "stream_options": None,
     }
+    body["messages"][1] |= {"reasoning_content": None, "reasoning": None}  # as vLLM answers
     _refused(http.post("/v1/chat/completions", json=body), 504, "timeout")
     assert admitted_state(private_redis, "acme")["queued"] == 1
     body = {"model": _cold(published), "prompt": "hi", "stream": True}

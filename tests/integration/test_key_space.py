@@ -18,6 +18,7 @@ import io
 import json
 import re
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -87,11 +88,14 @@ def test_every_key_a_workload_leaves_expires_is_permanent_or_is_emptied_by_a_nam
         cancelled = submit_job(api, alias)["id"]  # a long job, cancelled queued or running
         assert api.delete(f"/v1/jobs/{cancelled}").status_code == 200
         job_ids.append(cancelled)
-        text = client.completions.create(model=alias, prompt="keys", max_tokens=4)
-        streamed = list(
-            client.completions.create(model=alias, prompt="keys", max_tokens=4, stream=True)
-        )
-        # Both ran to their 4 tokens. Not their text: 4 sampled tokens of the tiny byte-level
+        four: dict[str, Any] = {
+            "max_tokens": 4,
+            "temperature": 0.0,
+            "extra_body": {"ignore_eos": True},
+        }
+        text = client.completions.create(model=alias, prompt="keys", **four)
+        streamed = list(client.completions.create(model=alias, prompt="keys", stream=True, **four))
+        # Both ran to their 4 tokens. Not their text: 4 tokens of the tiny byte-level
         # vocabulary can decode to "" (a split UTF-8 character, a special token).
         assert text.usage is not None and text.usage.completion_tokens == 4, text
         assert [chunk.choices[0].finish_reason for chunk in streamed if chunk.choices][-1] == (
