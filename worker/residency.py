@@ -67,7 +67,9 @@ class SlotGate:
     Waiters are let in oldest first until one does not fit (which keeps its place). A job
     for an adapter already in flight joins it at once (same adapter, same step: batching
     costs no slot), but while a job waits for a slot only ``bypass_limit`` such joiners may
-    pass it; later ones queue behind it. A steady stream of jobs for the adapters holding
+    pass it; later ones queue behind it. Queued jobs for adapters in flight join them the
+    same way each time waiters are let in (within the same bound), so a burst that queued
+    them keeps the engine's batch full. A steady stream of jobs for the adapters holding
     the slots then delays a job for another adapter by at most that many jobs, never for
     good (strict first-in-first-out, a limit of 0, cost 30-40% throughput and doubled GPU-slot
     activations on a burst of 240 jobs over 8 adapters and 2 slots in
@@ -90,7 +92,10 @@ class SlotGate:
         return lora_id in self._active or len(self._active) < self._capacity
 
     def _admit(self) -> None:
-        """Let waiters in, oldest first, until one does not fit."""
+        """Let waiters in, oldest first, until one does not fit; then, while that one waits,
+        the queued jobs for adapters in flight, up to the bypass bound (as if they arrived
+        now: a burst queues them behind the first job that did not fit, and left there, the
+        engine would run one adapter's jobs at a time while the others drain)."""
         while self._waiting:
             lora_id, entry = self._waiting[0]
             if entry.done():  # cancelled while it waited
@@ -98,11 +103,24 @@ class SlotGate:
                 self._passed = 0
                 continue
             if not self._fits(lora_id):
-                return
+                break
             self._waiting.popleft()
             self._passed = 0  # a new oldest waiter
             self._active[lora_id] += 1
             entry.set_result(None)
+        if not self._waiting or self._passed >= self._bypass_limit:
+            return
+        kept: deque[tuple[int, asyncio.Future[None]]] = deque()
+        for lora_id, entry in self._waiting:  # the head does not fit: not in flight
+            if entry.done():
+                continue
+            if lora_id in self._active and self._passed < self._bypass_limit:
+                self._passed += 1
+                self._active[lora_id] += 1
+                entry.set_result(None)
+            else:
+                kept.append((lora_id, entry))
+        self._waiting = kept
 
     def _release(self, lora_id: int) -> None:
         self._active[lora_id] -= 1
