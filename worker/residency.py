@@ -66,13 +66,15 @@ class SlotGate:
 
     Waiters are let in oldest first until one does not fit (which keeps its place). A job
     for an adapter already in flight joins it at once (same adapter, same step: batching
-    costs no slot), but while a job waits for a slot only ``bypass_limit`` such joiners may
-    pass it; later ones queue behind it. Queued jobs for adapters in flight join them the
+    costs no slot), but while a job waits at the head of the queue only ``bypass_limit``
+    such joiners may pass it; later ones queue behind it (a job further back can be passed
+    that many times for each job ahead of it). Queued jobs for adapters in flight join them the
     same way each time waiters are let in (within the same bound), so a burst that queued
     them keeps the engine's batch full. A steady stream of jobs for the adapters holding
-    the slots then delays a job for another adapter by at most that many jobs, never for
-    good (strict first-in-first-out, a limit of 0, cost 30-40% throughput and doubled GPU-slot
-    activations on a burst of 240 jobs over 8 adapters and 2 slots in
+    the slots then delays a job for another adapter by at most that many jobs for each
+    waiter ahead of it, never for good (strict first-in-first-out, a limit of 0, cost
+    30-40% throughput and doubled GPU-slot activations on a burst of 240 jobs over 8
+    adapters and 2 slots in
     ``benchmarks/slot_thrash.py``: jobs of one adapter no longer shared its slot).
 
     Lives on the engine loop: a job waiting for a slot is a coroutine there, let in on the loop

@@ -241,3 +241,37 @@ def test_queued_joiners_stay_within_the_bypass_bound() -> None:
         assert let_in == ["b1", "b2", "b3", "c1", "b4"], let_in
 
     asyncio.run(main())
+
+
+def test_a_queued_joiner_let_in_and_cancelled_before_it_ran_frees_what_it_held() -> None:
+    """A job the queue scan lets in may be cancelled before it resumes (its deadline, a
+    DELETE): it releases its share of the adapter once, and the waiter behind gets in."""
+
+    async def main() -> None:
+        gate = SlotGate(capacity=1, bypass_limit=10)
+        let_in: list[str] = []
+        release_b1 = asyncio.Event()
+
+        async def job(name: str, adapter: int, hold: asyncio.Event | None = None) -> None:
+            async with gate.slot(adapter):
+                let_in.append(name)
+                if hold is not None:
+                    await hold.wait()
+
+        async with gate.slot(1):
+            b1 = asyncio.create_task(job("b1", 2, release_b1))
+            c1 = asyncio.create_task(job("c1", 3))
+            b2 = asyncio.create_task(job("b2", 2))
+            await asyncio.sleep(0.01)
+            assert let_in == []
+        # Adapter 1 drained: b1 let in, and b2 by the scan (c1 waits). b2 is cancelled in
+        # the same step, before it resumed.
+        b2.cancel()
+        await asyncio.gather(b2, return_exceptions=True)
+        await asyncio.sleep(0.01)
+        assert let_in == ["b1"], let_in  # b2 never ran; c1 waits for adapter 2 to drain
+        release_b1.set()
+        await asyncio.wait_for(asyncio.gather(b1, c1), 5)
+        assert let_in == ["b1", "c1"], let_in  # b2's share did not hold c1 back
+
+    asyncio.run(main())
