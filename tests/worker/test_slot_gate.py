@@ -169,78 +169,53 @@ def test_a_job_admitted_by_the_gate_and_cancelled_before_it_ran_frees_its_slot()
     asyncio.run(main())
 
 
+def _queued_behind_a_held_slot(
+    bypass_limit: int, order: tuple[tuple[str, int], ...]
+) -> tuple[list[str], list[str]]:
+    """Jobs ``order`` ((name, adapter), each holding its slot until the end) queued while
+    adapter 1 holds the only slot: who was let in once adapter 1 drained, and in all."""
+
+    async def main() -> tuple[list[str], list[str]]:
+        gate = SlotGate(capacity=1, bypass_limit=bypass_limit)
+        let_in: list[str] = []
+        release = asyncio.Event()
+
+        async def job(name: str, adapter: int) -> None:
+            async with gate.slot(adapter):
+                let_in.append(name)
+                await release.wait()
+
+        async with gate.slot(1):
+            queued = [asyncio.create_task(job(name, adapter)) for name, adapter in order]
+            await asyncio.sleep(0.01)
+            assert let_in == []  # all wait: adapter 1 holds the only slot
+        await asyncio.sleep(0.01)
+        drained = list(let_in)
+        release.set()
+        await asyncio.wait_for(asyncio.gather(*queued), 5)
+        return drained, let_in
+
+    return asyncio.run(main())
+
+
 def test_queued_jobs_for_an_adapter_let_in_join_it_without_waiting_for_another_slot() -> None:
     """A burst queues jobs of many adapters behind one that waits for a slot. When a slot
     frees and the head is let in, the queued jobs of the adapters now in flight join them
     (within the bypass bound), as jobs arriving then would: otherwise every later job waits
     for one adapter at a time to drain, and the engine runs a handful of requests where it
     could batch hundreds (vs_vllm_serve at 256 at once: 0.3x of vLLM's server)."""
-
-    async def main() -> None:
-        gate = SlotGate(capacity=1, bypass_limit=10)
-        let_in: list[str] = []
-        release = asyncio.Event()
-
-        async def job(name: str, adapter: int) -> None:
-            async with gate.slot(adapter):
-                let_in.append(name)
-                await release.wait()
-
-        first = asyncio.Event()
-
-        async def holder() -> None:
-            async with gate.slot(1):
-                first.set()
-                await asyncio.sleep(0.1)
-
-        held = asyncio.create_task(holder())
-        await first.wait()
-        queued = [asyncio.create_task(job(n, a)) for n, a in (("b1", 2), ("c1", 3), ("b2", 2))]
-        await asyncio.sleep(0.01)
-        assert let_in == []  # all three wait: adapter 1 holds the only slot
-        await held  # adapter 1 drains: b1 is let in; c1 waits for the slot
-        await asyncio.sleep(0.01)
-        assert let_in == ["b1", "b2"], let_in  # b2 joins adapter 2 in flight, past c1
-        release.set()
-        await asyncio.wait_for(asyncio.gather(*queued), 5)
-        assert let_in == ["b1", "b2", "c1"]
-
-    asyncio.run(main())
+    drained, let_in = _queued_behind_a_held_slot(10, (("b1", 2), ("c1", 3), ("b2", 2)))
+    assert drained == ["b1", "b2"], drained  # b2 joins adapter 2 in flight, past c1
+    assert let_in == ["b1", "b2", "c1"]
 
 
 def test_queued_joiners_stay_within_the_bypass_bound() -> None:
     """The joiners let in from the queue count against the bound like those arriving: past
     it, they keep their place behind the job waiting for a slot."""
-
-    async def main() -> None:
-        gate = SlotGate(capacity=1, bypass_limit=2)
-        let_in: list[str] = []
-        release = asyncio.Event()
-
-        async def job(name: str, adapter: int) -> None:
-            async with gate.slot(adapter):
-                let_in.append(name)
-                await release.wait()
-
-        first = asyncio.Event()
-
-        async def holder() -> None:
-            async with gate.slot(1):
-                first.set()
-                await asyncio.sleep(0.1)
-
-        held = asyncio.create_task(holder())
-        await first.wait()
-        order = (("b1", 2), ("c1", 3), ("b2", 2), ("b3", 2), ("b4", 2))
-        queued = [asyncio.create_task(job(n, a)) for n, a in order]
-        await held
-        await asyncio.sleep(0.01)
-        assert let_in == ["b1", "b2", "b3"], let_in  # 2 joiners passed c1; b4 keeps its place
-        release.set()
-        await asyncio.wait_for(asyncio.gather(*queued), 5)
-        assert let_in == ["b1", "b2", "b3", "c1", "b4"], let_in
-
-    asyncio.run(main())
+    order = (("b1", 2), ("c1", 3), ("b2", 2), ("b3", 2), ("b4", 2))
+    drained, let_in = _queued_behind_a_held_slot(2, order)
+    assert drained == ["b1", "b2", "b3"], drained  # 2 joiners passed c1; b4 keeps its place
+    assert let_in == ["b1", "b2", "b3", "c1", "b4"], let_in
 
 
 def test_a_queued_joiner_let_in_and_cancelled_before_it_ran_frees_what_it_held() -> None:
