@@ -45,9 +45,9 @@ def _media_type(scope: Scope) -> str:
     return raw.split(b";")[0].strip().lower().decode("latin-1")
 
 
-def is_json(scope: Scope) -> bool:
-    """Does FastAPI read this request's body as JSON (a JSON content type, or none)?"""
-    media_type = _media_type(scope)
+def is_json(media_type: str) -> bool:
+    """Does FastAPI read a body of this media type (``_media_type``) as JSON (a JSON media
+    type, or none)?"""
     return media_type in ("", "application/json") or media_type.endswith("+json")
 
 
@@ -70,11 +70,12 @@ class StrictJsonBodies:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self._app(scope, receive, send)
             return
-        if not is_json(scope):
+        media_type = _media_type(scope)
+        if not is_json(media_type):
             # All POST routes: another method there is 405, whatever its body.
             others = _BODY_TYPES.get(scope["path"]) if scope["method"] == "POST" else None
-            if others is not None and _media_type(scope) not in others:
-                await _refuse(scope, receive, send, 415, _not_json(_media_type(scope), others))
+            if others is not None and media_type not in others:
+                await _refuse(scope, receive, send, 415, _not_json(media_type, others))
                 return
             await self._app(scope, receive, send)
             return
