@@ -40,8 +40,14 @@ _BODY_TYPES: dict[str, tuple[str, ...]] = {
 """Routes whose body is JSON -> the other media types they read."""
 
 
+def _header(scope: Scope, name: bytes) -> bytes:
+    """The first of the request's headers named ``name`` (as Starlette's ``headers.get``,
+    which the routes read, picks a header sent twice), or empty."""
+    return next((value for key, value in scope["headers"] if key == name), b"")
+
+
 def _media_type(scope: Scope) -> str:
-    raw: bytes = dict(scope["headers"]).get(b"content-type", b"")
+    raw = _header(scope, b"content-type")
     return raw.split(b";")[0].strip().lower().decode("latin-1")
 
 
@@ -54,7 +60,7 @@ def is_json(media_type: str) -> bool:
 def _presents_a_key(scope: Scope) -> bool:
     """Does the request carry a bearer credential shaped like a tenant key? (Whether it is
     one is the route's check, in Redis.)"""
-    value = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+    value = _header(scope, b"authorization").decode("latin-1")
     scheme, _, credential = value.partition(" ")
     return scheme.lower() == "bearer" and credential.startswith(KEY_PREFIX)
 

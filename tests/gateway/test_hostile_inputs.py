@@ -176,6 +176,9 @@ def test_an_unreadable_body_without_a_key_is_401_not_422(http: httpx.Client, bod
         assert response.headers["www-authenticate"] == "Bearer"
     # With a key, the body is what is wrong.
     _refused(http.post("/v1/jobs", content=body), 422, "validation_error")
+    # Sent twice, the header is read as the routes read it (the first one): a key.
+    twice = [("authorization", http.headers["authorization"]), ("authorization", "Bearer nope")]
+    _refused(httpx.post(f"{base}/v1/jobs", content=body, headers=twice), 422, "validation_error")
 
 
 @pytest.mark.parametrize("route", ["/v1/jobs", "/v1/completions"])
