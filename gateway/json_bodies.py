@@ -1,5 +1,7 @@
-"""Every JSON request body is strict JSON (``contracts.strict_json``) before a route sees it:
-a route's own parse (FastAPI's) then only ever meets valid, shallow JSON."""
+"""Who asks, then what they sent: a POST to a route that reads a body is 401 without a tenant
+key before a byte of its body is read; with one, every JSON body is strict JSON
+(``contracts.strict_json``) before the route sees it, so a route's own parse (FastAPI's) only
+ever meets valid, shallow JSON. Elsewhere the app answers (404, 405), whatever the body."""
 
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ _BODY_TYPES: dict[str, tuple[str, ...]] = {
 }
 """Routes whose body is JSON -> the other media types they read."""
 
+_KEYED_BODIES = frozenset((*_BODY_TYPES, "/v1/files"))
+"""The routes that read a body (each needs a tenant key): without one, 401 before reading it."""
+
 
 def _header(scope: Scope, name: bytes) -> bytes:
     """The first of the request's headers named ``name`` (as Starlette's ``headers.get``,
@@ -73,14 +78,24 @@ class StrictJsonBodies:
         self._app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+        # Only the routes that read a body: elsewhere the path (404) or the method (405) is
+        # what is wrong, whatever the body, and the app says so.
+        path = scope["path"] if scope["type"] == "http" and scope["method"] == "POST" else None
+        if path not in _KEYED_BODIES:
+            await self._app(scope, receive, send)
+            return
+        if not _presents_a_key(scope):
+            # Who asks comes first, and an anonymous body costs nothing: it is never read
+            # (nor waited for), and the connection closes with the answer.
+            await _unauthorized(scope, receive, send, {"Connection": "close"})
+            return
+        others = _BODY_TYPES.get(path)
+        if others is None:
             await self._app(scope, receive, send)
             return
         media_type = _media_type(scope)
         if not is_json(media_type):
-            # All POST routes: another method there is 405, whatever its body.
-            others = _BODY_TYPES.get(scope["path"]) if scope["method"] == "POST" else None
-            if others is not None and media_type not in others:
+            if media_type not in others:
                 await _refuse(scope, receive, send, 415, _not_json(media_type, others))
                 return
             await self._app(scope, receive, send)
@@ -127,12 +142,16 @@ def _not_json(media_type: str, others: tuple[str, ...]) -> ErrorBody:
 
 
 async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, body: ErrorBody) -> None:
-    """Answer a body this middleware will not pass on, unless the request has no key: who is
-    asking comes first, and without a key the answer is 401, as it is for a readable body
-    (the routes' key check runs before their body's)."""
-    if not _presents_a_key(scope):
-        denied = refused()
-        body = ErrorBody(code=denied.code, message=denied.message)
-        await error_response(401, body, headers=denied.headers)(scope, receive, send)
-        return
+    """Answer a body this middleware will not pass on (the request presents a key)."""
     await error_response(status, body, param="body")(scope, receive, send)
+
+
+async def _unauthorized(
+    scope: Scope, receive: Receive, send: Send, headers: dict[str, str] | None = None
+) -> None:
+    """401, as the routes' key check answers a request without a key."""
+    denied = refused()
+    body = ErrorBody(code=denied.code, message=denied.message)
+    await error_response(401, body, headers={**(denied.headers or {}), **(headers or {})})(
+        scope, receive, send
+    )

@@ -6,6 +6,7 @@ Against an in-process gateway on the private database (no worker needed)."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -111,6 +112,45 @@ def test_framework_errors_come_in_our_envelope(http: httpx.Client) -> None:
         headers={"content-type": "multipart/form-data; boundary=xyz"},
     )
     assert broken.status_code == 422 and broken.json()["error"]["code"] == "validation_error"
+
+
+def test_who_asks_and_where_come_before_what_the_body_holds(http: httpx.Client) -> None:
+    """Without a key, a POST to a route is 401 before its body is read, whatever the body
+    (a multipart one the parser cannot read included); a body to a path with no such route
+    is 404, and to a route that takes no such method 405, whatever the body."""
+    base = str(http.base_url).rstrip("/")
+    multipart = {"content-type": "multipart/form-data; boundary=xyz"}
+    unreadable = b'--xyz\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch'
+    for route, headers in [
+        ("/v1/files", multipart),
+        ("/v1/jobs", {"content-type": "application/json"}),
+        ("/v1/batches", {"content-type": "application/jsonl"}),
+        ("/v1/batches/batch_x/cancel", {}),
+    ]:
+        response = httpx.post(base + route, content=unreadable, headers=headers)
+        _refused(response, 401, "unauthorized")
+    for route in ("/v1/nope", "/v1/jobs/extra/path"):
+        _refused(http.post(route, content=b"{"), 404, "route_not_found")
+    _refused(http.put("/v1/jobs", content=b"{"), 405, "method_not_allowed")
+    _refused(http.patch("/v1/completions", content=b'{"a": NaN}'), 405, "method_not_allowed")
+    # Nor is it waited for: a body that never arrives whole is not read at all.
+    address = http.base_url
+    for route in ("/v1/jobs", "/v1/batches", "/v1/files"):
+        for credential in ("", "Authorization: Bearer nope\r\n"):
+            head = (
+                f"POST {route} HTTP/1.1\r\nHost: gateway\r\n{credential}"
+                "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+            ).encode()
+            with socket.create_connection((address.host, address.port), timeout=60) as held:
+                held.sendall(head + b'{"adapter"')  # and nothing more
+                answer = b""
+                while chunk := held.recv(65536):  # until the gateway closes it
+                    answer += chunk
+            status, _, rest = answer.partition(b"\r\n")
+            assert status == b"HTTP/1.1 401 Unauthorized", answer  # not 408 after 30 s
+            headers, _, payload = rest.partition(b"\r\n\r\n")
+            assert b"connection: close" in headers.lower(), answer
+            assert json.loads(payload)["error"]["code"] == "unauthorized", answer
 
 
 def test_a_long_value_a_caller_sent_is_quoted_cut_in_the_error_message(
