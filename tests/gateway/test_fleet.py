@@ -75,7 +75,9 @@ def test_recommended_replicas_follow_load_and_queue_age(
             posts = [http.post("/v1/jobs", json=body) for _ in range(count)]
             assert {a.status_code for a in await asyncio.gather(*posts)} == {202}
 
-    settings = {"fleet_target_jobs_per_worker": 10, "fleet_max_queue_age_s": 1.0}
+    # Load alone decides while no job has waited an hour; the age bound is checked below, on a
+    # second gateway over the same database (a slow machine cannot age the jobs before that).
+    settings = {"fleet_target_jobs_per_worker": 10, "fleet_max_queue_age_s": 3600.0}
     with (
         private_gateway(**settings) as url,
         httpx.Client(base_url=url, headers=auth_headers(operator)) as http,
@@ -114,7 +116,12 @@ def test_recommended_replicas_follow_load_and_queue_age(
         )
         assert len(served["workers"]) == 3 and served["free_slots"] == 6
         assert served["recommended_replicas"] == 3  # load alone
-        time.sleep(1.2)  # the oldest job now waits longer than the age bound
+    time.sleep(1.2)  # the oldest job now waits longer than a bound of 1 s
+    aged_settings = settings | {"fleet_max_queue_age_s": 1.0}
+    with (
+        private_gateway(**aged_settings) as url,
+        httpx.Client(base_url=url, headers=auth_headers(operator)) as http,
+    ):
         aged = next(
             t for t in http.get("/v1/fleet").json()["tiers"] if t["queue"] == tiers["cold"]["queue"]
         )

@@ -128,7 +128,7 @@ def test_the_files_stay_held_until_the_engine_has_read_them_though_the_caller_ga
             await caller
         while_reading = cache.holds[digest]
         answered.set()
-        for _ in range(100):  # released from a thread once the engine answered
+        for _ in range(3000):  # released from a thread once the engine answered
             await asyncio.sleep(0.01)
             if not cache.holds[digest]:
                 break

@@ -129,7 +129,7 @@ def test_a_redis_that_stops_answering_fails_the_calls_instead_of_holding_them(
     echo.sha = redis.script_load(ECHO)
     slow.start()
     try:
-        redis.client_pause(2000, all=False)  # writes, and scripts that may write, wait
+        redis.client_pause(30_000, all=False)  # writes, and scripts that may write, wait
         waiting = _calling(slow, echo, "a")
         with pytest.raises(TimeoutError):
             waiting.result(timeout=30)
