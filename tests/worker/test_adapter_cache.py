@@ -281,12 +281,15 @@ def test_waiting_for_disk_space_ends_at_the_job_deadline(
 class SlowS3(CountingS3):
     """An object store that takes ``delay_s`` to start each answer."""
 
-    def __init__(self, client: Any, delay_s: float) -> None:
+    def __init__(self, client: Any, delay_s: float, held: threading.Event | None = None) -> None:
         super().__init__(client)
         self.delay_s = delay_s
+        self.held = held  # given: no answer starts before it is set
 
     def get_object(self, **kwargs: Any) -> Any:
         time.sleep(self.delay_s)
+        if self.held is not None:
+            assert self.held.wait(60), "the test never let the download go on"
         return super().get_object(**kwargs)
 
 
@@ -322,7 +325,8 @@ def test_a_job_stopped_while_it_waits_for_a_download_leaves_the_wait_at_once(
     handed back now, not at its deadline minutes later; the download goes on for the rest."""
     bucket = infra.settings.s3_bucket
     digest = _publish(s3, bucket, _artifact(tmp_path, "stopped", b"t" * 1000))
-    slow = SlowS3(s3, delay_s=0.5)  # ~1.5 s in all
+    downloading = threading.Event()
+    slow = SlowS3(s3, delay_s=0.1, held=downloading)  # under way until the test says
     cache = AdapterCache(tmp_path / "cache", slow, bucket, max_bytes=BOUND)
     running = Running("job", attempt=1)
     with ThreadPoolExecutor(2) as pool:
@@ -334,6 +338,7 @@ def test_a_job_stopped_while_it_waits_for_a_download_leaves_the_wait_at_once(
             stopped.result()
         assert raised.value.reason == StopReason.ENGINE_FAILED
         assert not other.done()  # left while the download was still under way
+        downloading.set()
         assert other.result().loaded_digest == digest
     assert sum(slow.gets.values()) == 3
 

@@ -27,10 +27,13 @@ class PinningEngine(Engine):
         self.removed: list[int] = []
 
     pin_takes_s = 0.0
+    pin_held: threading.Event | None = None  # set: the engine's pin may end
 
     async def pin_lora(self, lora_id: int) -> bool:
         self.pinned.append((lora_id, set(self._adapters[0]._gate._active)))
         await asyncio.sleep(self.pin_takes_s)
+        while self.pin_held is not None and not self.pin_held.is_set():
+            await asyncio.sleep(0.01)
         return True
 
     async def remove_lora(self, lora_id: int) -> bool:
@@ -139,11 +142,13 @@ def test_a_pin_given_up_while_the_engine_pins_keeps_its_slot_until_counted(harne
     adapters, engine, start, release, results = harness
     a, b = start("job-a", "aaaa"), start("job-b", "bbbb")
     _wait_for(lambda: {a, b} <= engine.generating.keys(), "jobs a and b to generate")
-    engine.pin_takes_s = 1.0
+    engine.pin_held = threading.Event()
     with pytest.raises(TimeoutError):
         adapters.pin_live("pppp", _digest("pppp"), 0.3)
-    # Given up, the pin goes on; a job of a third adapter arrives meanwhile.
+    # Given up, the pin goes on; a job of a third adapter arrives meanwhile and waits.
     c = start("job-c", "cccc")
+    _wait_for(lambda: adapters._gate.waiting == 1, "job c to wait at the gate")
+    engine.pin_held.set()
     _wait_for(lambda: adapters.pinned_digests == {_digest("pppp")}, "the engine's pin to end")
     # 3 slots: 1 pinned, 2 held by a and b: c waits (before the fix it was let in as the
     # pin's slot was released, and 4 adapters then needed 3 slots).
