@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 from redis import Redis
@@ -69,7 +70,12 @@ class Hub:
         self.hub.start()
         while "stream-hub" not in {t.get_name() for t in asyncio.all_tasks()}:
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)  # subscribed
+        # Subscribed: its connection counts a channel (a fixed pause was once too short).
+        while not any(
+            client.get("name") == f"{self.name}-events" and int(client.get("sub", 0)) >= 1
+            for client in await self.pool.client_list()
+        ):
+            await asyncio.sleep(0.01)
 
     def follow(self, job: JobPublic, timeout_s: float = 600) -> Future[list[str | JobPublic]]:
         async def read() -> list[str | JobPublic]:
@@ -89,13 +95,22 @@ class Hub:
         self._thread.join(30)
 
 
-def _kill(redis: Redis, name: str) -> int:
-    """Close the connections named ``name``; how many there were."""
-    return sum(
-        int(redis.client_kill_filter(_id=client["id"]))
-        for client in redis.client_list()
-        if client.get("name") == name
-    )
+def _kill(redis: Redis, name: str, command: str | None = None) -> int:
+    """Close the connections named ``name``, once there is one (whose last command is
+    ``command``, if given: blocked in it); how many there were."""
+
+    def named() -> list[dict[str, Any]]:
+        return [
+            client
+            for client in redis.client_list()
+            if client.get("name") == name and command in (None, client.get("cmd"))
+        ]
+
+    deadline = time.monotonic() + 60
+    while not (clients := named()):
+        assert time.monotonic() < deadline, f"no connection {name} ({command}) to kill"
+        time.sleep(0.01)
+    return sum(int(redis.client_kill_filter(_id=client["id"])) for client in clients)
 
 
 def _running(redis: Redis) -> JobPublic:
@@ -221,8 +236,7 @@ def test_the_shared_read_resumes_after_its_connection_is_lost_without_loss_or_re
         reading = hub.follow(job)
         time.sleep(0.5)
         _write(redis, job, "one ")
-        time.sleep(0.3)
-        assert _kill(redis, f"{hub.name}-reader") == 1  # blocked in its shared XREAD
+        assert _kill(redis, f"{hub.name}-reader", "xread") == 1  # blocked in its shared XREAD
         _write(redis, job, "two ", "three")
         _finish(redis, job)
         items = reading.result(timeout=120)
@@ -241,7 +255,6 @@ def test_a_long_poll_learns_of_an_end_published_while_its_subscription_was_down(
         waiting = asyncio.run_coroutine_threadsafe(
             hub.waiter.wait(hub.pool, job.id, job.tenant, timeout_s=120), hub.loop
         )
-        time.sleep(0.3)
         assert _kill(redis, f"{hub.name}-events") == 1  # its subscription
         _finish(redis, job)  # published while the waiter reconnects (it pauses 1 s first)
         finished = waiting.result(timeout=180)
@@ -278,7 +291,10 @@ def test_a_completion_that_watched_before_admitting_reads_its_job_once(
         polling = asyncio.run_coroutine_threadsafe(
             hub.waiter.wait(hub.pool, polled.id, polled.tenant, 120), hub.loop
         )
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while reads.count(polled.id) < 1:  # the long-poll's first read, before the end
+            assert time.monotonic() < deadline, "the long-poll never read its job"
+            time.sleep(0.01)
         _finish(redis, watched)
         _finish(redis, polled)
         finished = [waiting.result(timeout=60), polling.result(timeout=60)]
