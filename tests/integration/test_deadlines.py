@@ -44,14 +44,19 @@ def test_deadline_above_the_fleet_limit_is_refused(
 def test_generation_past_its_deadline_is_aborted_in_the_engine(
     api: httpx.Client, redis: Redis, published: dict[str, AdapterRecord]
 ) -> None:
-    aborted_before = fresh_heartbeat(redis)["engine_aborted_requests"]
-    doomed = submit_job(api, hot_alias(published), deadline_s=0.5)
-    failed = wait_job(api, doomed["id"])
-    assert failed["status"] == "failed"
-    assert failed["error"]["code"] == "deadline_exceeded"
-    # Raised by the timeout around the engine call: the generation coroutine was cancelled,
-    # which makes vLLM abort the request.
-    assert "while generating" in failed["error"]["message"]
+    for _ in range(5):
+        aborted_before = fresh_heartbeat(redis)["engine_aborted_requests"]
+        doomed = submit_job(api, hot_alias(published), deadline_s=0.5)
+        failed = wait_job(api, doomed["id"])
+        assert failed["status"] == "failed"
+        assert failed["error"]["code"] == "deadline_exceeded"
+        # Raised by the timeout around the engine call: the generation coroutine was
+        # cancelled, which makes vLLM abort the request.
+        if "while generating" in failed["error"]["message"]:
+            break
+        # A stalled machine spent the half second before the engine: that is not this test.
+    else:
+        pytest.fail(f"no job reached the engine within its deadline: {failed['error']}")
     assert failed["result"] is None
     assert_engine_drains(redis)
     assert worker_heartbeat(redis)["engine_aborted_requests"] == aborted_before + 1

@@ -137,11 +137,16 @@ class Deliverer:
             exponential = settings.webhook_backoff_s * 2 ** (attempts - 1)
             # Equal jitter: receivers coming back are not hit by every sender at once.
             delay = min(exponential, settings.webhook_backoff_max_s) * random.uniform(0.5, 1.0)
-        next_at = time.time() + delay
+        # One clock reading for both: the recorded gap is the delay chosen, however long this
+        # thread is descheduled between two readings.
+        now = time.time()
+        next_at = now + delay
         if next_at > event.created_at + settings.webhook_retry_window_s:
-            window = f"{settings.webhook_retry_window_s:g} s"
-            return Conclusion(DeliveryState.DEAD, status, f"{error}; retry window {window} spent")
-        return Conclusion(DeliveryState.PENDING, status, error, next_attempt_at=next_at)
+            spent = f"{error}; retry window {settings.webhook_retry_window_s:g} s spent"
+            return Conclusion(DeliveryState.DEAD, status, spent, attempted_at=now)
+        return Conclusion(
+            DeliveryState.PENDING, status, error, next_attempt_at=next_at, attempted_at=now
+        )
 
     def _payload(self, event: Event) -> bytes | None:
         if event.kind == "batch":
