@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi.security.utils import get_authorization_scheme_param
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -65,14 +66,16 @@ def is_json(media_type: str) -> bool:
 def _presents_a_key(scope: Scope) -> bool:
     """Does the request carry a bearer credential shaped like a tenant key? (Whether it is
     one is the route's check, in Redis.)"""
+    # Split as the routes' ``HTTPBearer`` splits it (the credential stripped).
     value = _header(scope, b"authorization").decode("latin-1")
-    scheme, _, credential = value.partition(" ")
+    scheme, credential = get_authorization_scheme_param(value)
     return scheme.lower() == "bearer" and credential.startswith(KEY_PREFIX)
 
 
 class StrictJsonBodies:
-    """Refuse a JSON request body that is not strict JSON (422 ``validation_error``) before
-    the route reads it. The body is already bounded (``BodyLimit`` runs first)."""
+    """On the routes that read a body: 401 without a key, unread; 415 for a media type the
+    route does not read; 422 ``validation_error`` for a JSON body that is not strict JSON,
+    before the route reads it. The body is already bounded (``BodyLimit`` runs first)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self._app = app

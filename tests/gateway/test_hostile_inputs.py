@@ -219,6 +219,9 @@ def test_an_unreadable_body_without_a_key_is_401_not_422(http: httpx.Client, bod
     # Sent twice, the header is read as the routes read it (the first one): a key.
     twice = [("authorization", http.headers["authorization"]), ("authorization", "Bearer nope")]
     _refused(httpx.post(f"{base}/v1/jobs", content=body, headers=twice), 422, "validation_error")
+    # Read as the routes read it, spaces and all.
+    spaced = {"authorization": http.headers["authorization"].replace(" ", "  ", 1)}
+    _refused(httpx.post(f"{base}/v1/jobs", content=body, headers=spaced), 422, "validation_error")
 
 
 @pytest.mark.parametrize("route", ["/v1/jobs", "/v1/completions"])

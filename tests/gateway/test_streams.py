@@ -71,10 +71,12 @@ class Hub:
         while "stream-hub" not in {t.get_name() for t in asyncio.all_tasks()}:
             await asyncio.sleep(0.01)
         # Subscribed: its connection counts a channel (a fixed pause was once too short).
+        deadline = time.monotonic() + 25  # within ``__enter__``'s 30 s
         while not any(
             client.get("name") == f"{self.name}-events" and int(client.get("sub", 0)) >= 1
             for client in await self.pool.client_list()
         ):
+            assert time.monotonic() < deadline, "the hub's waiter never subscribed"
             await asyncio.sleep(0.01)
 
     def follow(self, job: JobPublic, timeout_s: float = 600) -> Future[list[str | JobPublic]]:
@@ -96,8 +98,8 @@ class Hub:
 
 
 def _kill(redis: Redis, name: str, command: str | None = None) -> int:
-    """Close the connections named ``name``, once there is one (whose last command is
-    ``command``, if given: blocked in it); how many there were."""
+    """Close the connections named ``name``, once there is one (whose last command was
+    ``command``, if given); how many there were."""
 
     def named() -> list[dict[str, Any]]:
         return [
@@ -236,7 +238,7 @@ def test_the_shared_read_resumes_after_its_connection_is_lost_without_loss_or_re
         reading = hub.follow(job)
         time.sleep(0.5)
         _write(redis, job, "one ")
-        assert _kill(redis, f"{hub.name}-reader", "xread") == 1  # blocked in its shared XREAD
+        assert _kill(redis, f"{hub.name}-reader", "xread") == 1  # its shared XREAD
         _write(redis, job, "two ", "three")
         _finish(redis, job)
         items = reading.result(timeout=120)
@@ -245,16 +247,30 @@ def test_the_shared_read_resumes_after_its_connection_is_lost_without_loss_or_re
 
 
 def test_a_long_poll_learns_of_an_end_published_while_its_subscription_was_down(
-    infra: LocalStack, redis: Redis
+    infra: LocalStack, redis: Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The job-events subscription drops, and the job ends before it is back: that event
     reached nobody. Re-subscribed, the waiter wakes every request to read its record again
     (which here never looks again on its own)."""
+    from gateway import waiter as waiter_module
+
+    reads: list[str] = []
+    real_get_job = waiter_module.job_store.get_job
+
+    async def counted(pool: AsyncRedis, job_id: str, tenant: str) -> JobPublic | None:
+        reads.append(job_id)
+        return await real_get_job(pool, job_id, tenant)
+
+    monkeypatch.setattr(waiter_module.job_store, "get_job", counted)
     job = _running(redis)
     with Hub(infra.redis_url) as hub:
         waiting = asyncio.run_coroutine_threadsafe(
             hub.waiter.wait(hub.pool, job.id, job.tenant, timeout_s=120), hub.loop
         )
+        deadline = time.monotonic() + 60
+        while job.id not in reads:  # it has read the job running, and waits
+            assert time.monotonic() < deadline, "the long-poll never read its job"
+            time.sleep(0.01)
         assert _kill(redis, f"{hub.name}-events") == 1  # its subscription
         _finish(redis, job)  # published while the waiter reconnects (it pauses 1 s first)
         finished = waiting.result(timeout=180)

@@ -330,15 +330,19 @@ def test_a_job_stopped_while_it_waits_for_a_download_leaves_the_wait_at_once(
     cache = AdapterCache(tmp_path / "cache", slow, bucket, max_bytes=BOUND)
     running = Running("job", attempt=1)
     with ThreadPoolExecutor(2) as pool:
-        stopped = pool.submit(cache.ensure, digest, time.time() + 600, running.check)
-        other = pool.submit(cache.ensure, digest, time.time() + 600)
-        time.sleep(0.2)
-        running.stop(StopReason.ENGINE_FAILED)
-        with pytest.raises(JobStopped) as raised:
-            stopped.result()
-        assert raised.value.reason == StopReason.ENGINE_FAILED
-        assert not other.done()  # left while the download was still under way
-        downloading.set()
+        try:
+            stopped = pool.submit(cache.ensure, digest, time.time() + 600, running.check)
+            other = pool.submit(cache.ensure, digest, time.time() + 600)
+            time.sleep(0.2)
+            running.stop(StopReason.ENGINE_FAILED)
+            with pytest.raises(JobStopped) as raised:
+                # At once: the download is held until after this (a wait that ignored the
+                # stop would last until the job's deadline, ten minutes away).
+                stopped.result(timeout=30)
+            assert raised.value.reason == StopReason.ENGINE_FAILED
+            assert not other.done()  # the download goes on for the others
+        finally:
+            downloading.set()
         assert other.result().loaded_digest == digest
     assert sum(slow.gets.values()) == 3
 

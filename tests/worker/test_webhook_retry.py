@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,9 +23,10 @@ def test_the_recorded_gap_is_the_delay_chosen_however_late_the_thread_runs(
     each time it is read here) must not shorten the recorded gap (CI's retry-schedule test
     allows 10 ms)."""
     clock = itertools.count(1_000_000.0, 1.0)
-    monkeypatch.setattr(deliver.time, "time", lambda: next(clock))
-    monkeypatch.setattr(deliver.random, "uniform", lambda low, high: high)
-    settings = WebhookSettings(webhook_backoff_s=4.0)
+    # The module's own names only (the clock of every other thread is left alone).
+    monkeypatch.setattr(deliver, "time", SimpleNamespace(time=lambda: next(clock)))
+    monkeypatch.setattr(deliver, "random", SimpleNamespace(uniform=lambda low, high: high))
+    settings = WebhookSettings(webhook_backoff_s=4.0, webhook_backoff_max_s=300.0)
     deliverer = Deliverer(None, settings)  # type: ignore[arg-type]
     try:
         event = Event("evt", "https://x", "t", "job", "j", DeliveryState.PENDING, 2, 1_000_000.0)
