@@ -417,23 +417,28 @@ class Batches:
             job, message = self._submitter.job(tenant, ready, uuid.uuid4().hex, batch=batch_id)
             jobs.append(job)
             messages.append(message)
-        record = BatchRecord(
-            id=batch_id,
-            tenant=tenant.name,
-            endpoint=endpoint,
-            input_file_id=input_file_id,
-            created_at=int(now),
-            expires_at=int(max(m.deadline_at for m in messages)),
-            webhook=webhook,
-            metadata=metadata,
-        )
-        reported = [
-            BatchLine(
-                custom_id=line.custom_id, job_id=job.id, endpoint=line.endpoint, model=line.model
+        # Routed as they were made: taken back if the batch is not admitted.
+        with self._submitter.settling(messages):
+            record = BatchRecord(
+                id=batch_id,
+                tenant=tenant.name,
+                endpoint=endpoint,
+                input_file_id=input_file_id,
+                created_at=int(now),
+                expires_at=int(max(m.deadline_at for m in messages)),
+                webhook=webhook,
+                metadata=metadata,
             )
-            for line, job in zip(parsed, jobs, strict=True)
-        ]
-        await self._admit(tenant, record, jobs, reported, messages, keys)
+            reported = [
+                BatchLine(
+                    custom_id=line.custom_id,
+                    job_id=job.id,
+                    endpoint=line.endpoint,
+                    model=line.model,
+                )
+                for line, job in zip(parsed, jobs, strict=True)
+            ]
+            await self._admit(tenant, record, jobs, reported, messages, keys)
         for job in jobs:
             self._submitter.metrics.admitted_job(job.tier, job.adapter)
         if self._submitter.popularity is not None:

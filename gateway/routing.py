@@ -13,6 +13,10 @@ where it placed each adapter until the view shows the adapter there (``choose``'
 ``placing``), so a view that lags a fetch never lets this gateway place a copy past the cap.
 Each gateway knows only its own placements: two gateways placing the same adapter in the same
 instant can make a copy more each (the rendezvous ranking keeps them on the same workers).
+
+A route counts from the moment it is chosen (a batch's jobs spread as they are routed one by
+one), and is taken back if its job is not admitted (``settle``): a refused job leaves no
+placement, no count against its worker and no routing metric behind.
 """
 
 from __future__ import annotations
@@ -111,6 +115,9 @@ class FleetRouter(LoopTask):
         # Adapter digest -> worker id -> when this gateway placed it there (monotonic), until
         # the worker's announcement shows it or ``PLACING_TTL_S`` passes.
         self._placing: dict[str, dict[str, float]] = {}
+        # (adapter digest, worker id) -> jobs placed there not taken back: a placement whose
+        # every job was refused is dropped at once.
+        self._placed_jobs: Counter[tuple[str, str]] = Counter()
         # Routed messages are pushed by the admission script onto lists of the job store's
         # Redis, where the queue keepers hand them back: a broker of its own is not routed to.
         self._enabled = settings.routing and settings.effective_broker_url == settings.redis_url
@@ -152,10 +159,15 @@ class FleetRouter(LoopTask):
                     del placed[worker_id]
             if not placed:
                 del self._placing[digest]
+        for pair in [
+            pair for pair in self._placed_jobs if pair[1] not in self._placing.get(pair[0], {})
+        ]:
+            del self._placed_jobs[pair]
 
     def route(self, base_model: str, tier: Tier, digest: str) -> Routed | None:
         """The routing of a job about to be admitted; ``None``: its pool queue
-        (``destination`` names the queue either way)."""
+        (``destination`` names the queue either way). Counted at once; ``settle`` it once its
+        admission is decided."""
         decision = routing.SHARED
         fresh = time.monotonic() - self._read_at <= self._settings.route_view_max_age_s
         if self._enabled and fresh:
@@ -168,7 +180,6 @@ class FleetRouter(LoopTask):
                 self._routed,
                 self._placing.get(digest, {}),
             )
-        self._metrics.routing.labels(tier.value, decision.decision.value).inc()
         if decision.worker is None:
             return None
         self._routed[decision.worker.worker_id] += 1
@@ -176,9 +187,33 @@ class FleetRouter(LoopTask):
             # From the first placement on: later jobs sent after it do not extend its life.
             placed = self._placing.setdefault(digest, {})
             placed.setdefault(decision.worker.worker_id, time.monotonic())
+            self._placed_jobs[digest, decision.worker.worker_id] += 1
         return Routed.model_validate(
             {"decision": decision.decision.value, "worker": decision.worker.worker_id}
         )
+
+    def settle(self, tier: Tier, digest: str, routed: Routed | None, admitted: bool) -> None:
+        """The job ``route``d (``routed``) for adapter ``digest`` was admitted (counted in the
+        metrics), or not (its route taken back: its worker's count, and its placement if no
+        other job holds it). Every route is settled once."""
+        decision = routing.Decision.SHARED.value if routed is None else routed.decision
+        if admitted:
+            self._metrics.routing.labels(tier.value, decision).inc()
+            return
+        if routed is None:
+            return
+        if self._routed[routed.worker] > 0:  # not if a refresh reset the counts meanwhile
+            self._routed[routed.worker] -= 1
+        pair = (digest, routed.worker)
+        if routed.decision != routing.Decision.PLACED.value or pair not in self._placed_jobs:
+            return
+        self._placed_jobs[pair] -= 1
+        if self._placed_jobs[pair] <= 0:
+            del self._placed_jobs[pair]
+            placed = self._placing.get(digest, {})
+            placed.pop(routed.worker, None)
+            if not placed:
+                self._placing.pop(digest, None)
 
 
 def destination(message: JobMessage) -> str:

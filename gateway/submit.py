@@ -15,7 +15,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -217,8 +217,24 @@ class Submitter:
         # A refusal frees the key at once, a withdrawal once it is done (``_admit``); while
         # the admission's fate is unknown a retry waits for the reservation to lapse rather
         # than admit the job a second time.
-        await self._admit(tenant, job, message, keys)
+        with self.settling([message]):
+            await self._admit(tenant, job, message, keys)
         return Admitted(job=job, replayed=False), keys
+
+    @contextlib.contextmanager
+    def settling(self, messages: list[JobMessage]) -> Iterator[None]:
+        """Settle the routes of ``messages`` (``job`` chose them) with their admission: taken
+        back unless the block completes (a refusal, a 503, a caller gone)."""
+        try:
+            yield
+        except BaseException:
+            if self._router is not None:
+                for m in messages:
+                    self._router.settle(m.tier, m.revision, m.routed, admitted=False)
+            raise
+        if self._router is not None:
+            for m in messages:
+                self._router.settle(m.tier, m.revision, m.routed, admitted=True)
 
     async def prepare(self, request: Submission, resolved: Resolved) -> Prepared:
         """Everything decided before admission, for a request whose adapter ``resolve``d:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from typing import Any
 
 from redis import Redis
@@ -144,3 +145,47 @@ def test_a_placement_counts_as_a_copy_before_the_workers_announcement_shows_it(
     assert first != second
     assert {r.worker for r in routes} == {first, second}, routes
     assert placing == {}
+
+
+def test_a_route_whose_job_is_not_admitted_is_taken_back(
+    private_redis: Redis, published: dict[str, AdapterRecord], infra: Any
+) -> None:
+    """A refused job (429, 503, its caller gone) leaves no placement, no count against its
+    worker and no routing metric: the next job is routed as if it had never been."""
+    record = next(iter(published.values()))
+    db = str(private_redis.connection_pool.connection_kwargs.get("db"))
+    url = infra.redis_url.rsplit("/", 1)[0] + f"/{db}"
+    settings = GatewaySettings(redis_url=url)
+    base, digest, tier = record.base_model.digest, record.digest, record.tier
+    for worker_id in ("h:1:a", "h:2:b"):
+        _announce(private_redis, worker_id, base)
+    metrics = GatewayMetrics(0)
+
+    def counted(decision: str) -> float:
+        return float(metrics.routing.labels(tier.value, decision)._value.get())
+
+    async def go() -> list[Any]:
+        redis = AsyncRedis.from_url(url, decode_responses=True)
+        router = FleetRouter(redis, settings, metrics)
+        seen: list[Any] = []
+        try:
+            await router.refresh()
+            refused = router.route(base, tier, digest)
+            assert refused is not None and refused.decision == "placed"
+            router.settle(tier, digest, refused, admitted=False)
+            seen.append((dict(router._placing), +router._routed, counted("placed")))
+            # Two placed on one worker, one refused: the other still holds the placement.
+            first = router.route(base, tier, digest)
+            second = router.route(base, tier, digest)
+            assert first is not None and second is not None and first.worker == second.worker
+            router.settle(tier, digest, first, admitted=True)
+            router.settle(tier, digest, second, admitted=False)
+            seen.append((set(router._placing.get(digest, {})), +router._routed, counted("placed")))
+            seen.append(first.worker)
+        finally:
+            await redis.aclose()
+        return seen
+
+    after_refusal, after_one_of_two, worker = asyncio.run(go())
+    assert after_refusal == ({}, Counter(), 0.0)
+    assert after_one_of_two == ({worker}, Counter({worker: 1}), 1.0)
