@@ -413,12 +413,13 @@ class Batches:
         now = time.time()
         jobs: list[JobPublic] = []
         messages: list[JobMessage] = []
-        for ready in prepared:
-            job, message = self._submitter.job(tenant, ready, uuid.uuid4().hex, batch=batch_id)
-            jobs.append(job)
-            messages.append(message)
-        # Routed as they were made: taken back if the batch is not admitted.
+        # Routed as they are made: taken back if the batch is not admitted.
         with self._submitter.settling(messages):
+            for ready in prepared:
+                job_id = uuid.uuid4().hex
+                job, message = self._submitter.job(tenant, ready, job_id, batch=batch_id)
+                jobs.append(job)
+                messages.append(message)
             record = BatchRecord(
                 id=batch_id,
                 tenant=tenant.name,

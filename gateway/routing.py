@@ -16,16 +16,21 @@ instant can make a copy more each (the rendezvous ranking keeps them on the same
 
 A route counts from the moment it is chosen (a batch's jobs spread as they are routed one by
 one), and is taken back if its job is not admitted (``settle``): a refused job leaves no
-placement, no count against its worker and no routing metric behind.
+placement, no count against its worker and no routing metric behind. A job whose admission's
+fate is unknown (a lost reply, its caller gone: the admission is withdrawn in the background,
+which can fail) keeps its placement until it lapses, so that a copy that may be made after all
+still counts against the cap.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
@@ -102,6 +107,22 @@ async def announcements(redis: Redis) -> list[tuple[dict[str, Any], int]]:
     ]
 
 
+PENDING_TTL_S = 600.0
+"""A route not settled after this long is dropped from memory (every route is settled when its
+admission ends; this only bounds what a missed one could hold)."""
+
+
+@dataclass(frozen=True)
+class _Route:
+    """A route chosen and not settled yet."""
+
+    worker: str
+    digest: str
+    view: int  # the fleet view it was counted in
+    placement: int | None  # the placement it made or joined, if placed
+    at: float  # monotonic
+
+
 class FleetRouter(LoopTask):
     def __init__(self, redis: Redis, settings: GatewaySettings, metrics: GatewayMetrics) -> None:
         super().__init__("fleet-router")
@@ -112,12 +133,16 @@ class FleetRouter(LoopTask):
         self._workers: list[routing.WorkerState] = []
         self._read_at = -float("inf")  # monotonic
         self._routed: Counter[str] = Counter()
-        # Adapter digest -> worker id -> when this gateway placed it there (monotonic), until
-        # the worker's announcement shows it or ``PLACING_TTL_S`` passes.
-        self._placing: dict[str, dict[str, float]] = {}
-        # (adapter digest, worker id) -> jobs placed there not taken back: a placement whose
-        # every job was refused is dropped at once.
-        self._placed_jobs: Counter[tuple[str, str]] = Counter()
+        self._view = 0  # counts the reads of the fleet: ``_routed`` is per view
+        # Adapter digest -> worker id -> (when this gateway placed it there (monotonic), the
+        # placement's number), until the worker's announcement shows it or ``PLACING_TTL_S``
+        # passes.
+        self._placing: dict[str, dict[str, tuple[float, int]]] = {}
+        self._placements = itertools.count(1)
+        # Placement number -> its jobs not taken back: one whose every job was refused is
+        # dropped at once.
+        self._placed_jobs: Counter[int] = Counter()
+        self._pending: dict[str, _Route] = {}  # job id -> its route, until settled
         # Routed messages are pushed by the admission script onto lists of the job store's
         # Redis, where the queue keepers hand them back: a broker of its own is not routed to.
         self._enabled = settings.routing and settings.effective_broker_url == settings.redis_url
@@ -144,7 +169,11 @@ class FleetRouter(LoopTask):
             if state is not None:
                 workers.append(state)
         self._workers, self._read_at, self._routed = workers, time.monotonic(), Counter()
+        self._view += 1
         self._forget_placements(workers)
+        lapsed = self._read_at - PENDING_TTL_S
+        for job_id in [job_id for job_id, r in self._pending.items() if r.at < lapsed]:
+            del self._pending[job_id]
         self._metrics.fleet_copies(routing.copies(workers))
 
     def _forget_placements(self, workers: list[routing.WorkerState]) -> None:
@@ -154,18 +183,15 @@ class FleetRouter(LoopTask):
         held = {worker.worker_id: worker.adapters for worker in workers}
         oldest = time.monotonic() - PLACING_TTL_S
         for digest, placed in list(self._placing.items()):
-            for worker_id, at in list(placed.items()):
+            for worker_id, (at, number) in list(placed.items()):
                 if at < oldest or digest in held.get(worker_id, {}):
                     del placed[worker_id]
+                    self._placed_jobs.pop(number, None)
             if not placed:
                 del self._placing[digest]
-        for pair in [
-            pair for pair in self._placed_jobs if pair[1] not in self._placing.get(pair[0], {})
-        ]:
-            del self._placed_jobs[pair]
 
-    def route(self, base_model: str, tier: Tier, digest: str) -> Routed | None:
-        """The routing of a job about to be admitted; ``None``: its pool queue
+    def route(self, job_id: str, base_model: str, tier: Tier, digest: str) -> Routed | None:
+        """The routing of job ``job_id``, about to be admitted; ``None``: its pool queue
         (``destination`` names the queue either way). Counted at once; ``settle`` it once its
         admission is decided."""
         decision = routing.SHARED
@@ -182,38 +208,45 @@ class FleetRouter(LoopTask):
             )
         if decision.worker is None:
             return None
-        self._routed[decision.worker.worker_id] += 1
+        worker, now = decision.worker.worker_id, time.monotonic()
+        self._routed[worker] += 1
+        number = None
         if decision.decision == routing.Decision.PLACED:
             # From the first placement on: later jobs sent after it do not extend its life.
             placed = self._placing.setdefault(digest, {})
-            placed.setdefault(decision.worker.worker_id, time.monotonic())
-            self._placed_jobs[digest, decision.worker.worker_id] += 1
-        return Routed.model_validate(
-            {"decision": decision.decision.value, "worker": decision.worker.worker_id}
-        )
+            number = placed.setdefault(worker, (now, next(self._placements)))[1]
+            self._placed_jobs[number] += 1
+        self._pending[job_id] = _Route(worker, digest, self._view, number, now)
+        return Routed.model_validate({"decision": decision.decision.value, "worker": worker})
 
-    def settle(self, tier: Tier, digest: str, routed: Routed | None, admitted: bool) -> None:
-        """The job ``route``d (``routed``) for adapter ``digest`` was admitted (counted in the
-        metrics), or not (its route taken back: its worker's count, and its placement if no
-        other job holds it). Every route is settled once."""
-        decision = routing.Decision.SHARED.value if routed is None else routed.decision
+    def settle(
+        self, job_id: str, tier: Tier, routed: Routed | None, admitted: bool, refused: bool
+    ) -> None:
+        """Job ``job_id``'s admission is decided: admitted (counted in the metrics), or not, its
+        route taken back (the count against its worker, if no read of the fleet reset it
+        since). A job ``refused`` (nothing was written) also gives its placement back, which
+        ends once no other job holds it; one whose admission's fate is unknown keeps it until
+        it lapses. Settling a job again does nothing."""
+        pending = self._pending.pop(job_id, None)
         if admitted:
+            decision = routing.Decision.SHARED.value if routed is None else routed.decision
             self._metrics.routing.labels(tier.value, decision).inc()
             return
-        if routed is None:
+        if pending is None:
             return
-        if self._routed[routed.worker] > 0:  # not if a refresh reset the counts meanwhile
-            self._routed[routed.worker] -= 1
-        pair = (digest, routed.worker)
-        if routed.decision != routing.Decision.PLACED.value or pair not in self._placed_jobs:
+        if pending.view == self._view and self._routed[pending.worker] > 0:
+            self._routed[pending.worker] -= 1
+        if pending.placement is None or not refused:
             return
-        self._placed_jobs[pair] -= 1
-        if self._placed_jobs[pair] <= 0:
-            del self._placed_jobs[pair]
-            placed = self._placing.get(digest, {})
-            placed.pop(routed.worker, None)
+        self._placed_jobs[pending.placement] -= 1
+        if self._placed_jobs[pending.placement] > 0:
+            return
+        del self._placed_jobs[pending.placement]
+        placed = self._placing.get(pending.digest, {})
+        if placed.get(pending.worker, (0.0, None))[1] == pending.placement:
+            del placed[pending.worker]
             if not placed:
-                self._placing.pop(digest, None)
+                del self._placing[pending.digest]
 
 
 def destination(message: JobMessage) -> str:

@@ -223,18 +223,23 @@ class Submitter:
 
     @contextlib.contextmanager
     def settling(self, messages: list[JobMessage]) -> Iterator[None]:
-        """Settle the routes of ``messages`` (``job`` chose them) with their admission: taken
-        back unless the block completes (a refusal, a 503, a caller gone)."""
+        """Settle the routes of ``messages`` (``job`` chose them; the list may grow inside the
+        block) with their admission: admitted if the block completes; refused if it raises
+        ``ApiError`` (a refusal: nothing was written); else of unknown fate (a lost reply, the
+        caller gone), withdrawn in the background."""
+        router = self._router
+        if router is None:
+            yield
+            return
         try:
             yield
-        except BaseException:
-            if self._router is not None:
-                for m in messages:
-                    self._router.settle(m.tier, m.revision, m.routed, admitted=False)
-            raise
-        if self._router is not None:
+        except BaseException as exc:
+            refused = isinstance(exc, ApiError)
             for m in messages:
-                self._router.settle(m.tier, m.revision, m.routed, admitted=True)
+                router.settle(m.job_id, m.tier, m.routed, admitted=False, refused=refused)
+            raise
+        for m in messages:
+            router.settle(m.job_id, m.tier, m.routed, admitted=True, refused=False)
 
     async def prepare(self, request: Submission, resolved: Resolved) -> Prepared:
         """Everything decided before admission, for a request whose adapter ``resolve``d:
@@ -406,10 +411,12 @@ class Submitter:
             sampling=request.sampling,
             accepted_at=accepted_at,
             deadline_at=deadline_at,
-            routed=self._router.route(record.base_model.digest, record.tier, record.digest)
-            if self._router is not None
-            else None,
         )
+        if self._router is not None:  # last: once routed, nothing here raises
+            routed = self._router.route(
+                job_id, record.base_model.digest, record.tier, record.digest
+            )
+            message = message.model_copy(update={"routed": routed})
         return job, message
 
     def limits(self, tenant: TenantRecord, tier: Tier) -> admission.Limits:
