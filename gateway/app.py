@@ -99,7 +99,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             await queues.close()
             app.state.submitter.close()
 
-    app = FastAPI(title="lorafleet gateway", version="0.1.0", lifespan=lifespan)
+    # A body without a Content-Type is read as JSON, as ``StrictJsonBodies`` checks it (FastAPI
+    # 0.13x otherwise leaves it unparsed and a valid job is refused as "not an object").
+    app = FastAPI(
+        title="lorafleet gateway", version="0.1.0", lifespan=lifespan, strict_content_type=False
+    )
     install_error_handlers(app)
     # Added first, so it runs inside the body limit: it only ever buffers a bounded body.
     app.add_middleware(StrictJsonBodies)

@@ -52,10 +52,16 @@ class BodyLimit:
             await self._app(scope, receive, send)
             return
         limit = self._larger.get(scope["path"], self._max_bytes)
-        declared = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await error_response(413, self._refusal(limit))(scope, receive, send)
+            # Closed with the answer: the body is never read (nor taken in after it).
+            refusal = error_response(413, self._refusal(limit), headers={"Connection": "close"})
+            await refusal(scope, receive, send)
             return
+        # A body is coming: an answer sent before it is whole (404, 405, a 401 from a route's
+        # key check) closes the connection, so its rest is not waited for or read.
+        has_body = (declared is not None and declared != b"0") or b"transfer-encoding" in headers
         seen = 0
         refused = started = whole = False
 
@@ -91,6 +97,18 @@ class BodyLimit:
         async def unless_refused(message: Message) -> None:
             nonlocal started
             if not refused:
+                if message["type"] == "http.response.start" and has_body and not whole:
+                    message = {
+                        **message,
+                        "headers": [
+                            *(
+                                h
+                                for h in message.get("headers", [])
+                                if h[0].lower() != b"connection"
+                            ),
+                            (b"connection", b"close"),
+                        ],
+                    }
                 started = True
                 await send(message)
 

@@ -490,3 +490,52 @@ def test_batch_fields_of_the_wrong_type_are_refused_not_coerced(
     )
     assert [d["line"] for d in error["details"]] == [1, 2]
     assert admitted_state(private_redis, "acme") == NOTHING
+
+
+def _answer_to_a_stalled_body(http: httpx.Client, request: str) -> bytes:
+    """Send ``request``'s head declaring a 1000-byte body (or what it declares), then 10
+    bytes, and read until the gateway closes the connection (60 s: its keep-alive is 75)."""
+    address = http.base_url
+    with socket.create_connection((address.host, address.port), timeout=60) as held:
+        held.sendall(request.encode() + b'{"adapter"')
+        answer = b""
+        while chunk := held.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("line", "status"),
+    [
+        ("POST /v1/nope", b"404"),
+        ("PUT /v1/jobs", b"405"),
+        ("POST /v1/batches/batch_x/cancel", b"401"),
+        ("POST /v1/jobs LARGE", b"413"),
+    ],
+)
+def test_an_answer_before_the_body_closes_the_connection(
+    http: httpx.Client, line: str, status: bytes
+) -> None:
+    """Answered before its body arrived (no such route, no such method, no key, declared too
+    large): the connection closes with the answer, so the rest of the body is neither waited
+    for nor read (it was held for the 75 s keep-alive, and a declared 200 MB body was read)."""
+    method_path, large, _ = line.partition(" LARGE")
+    length = 10**9 if large else 1000
+    head = (
+        f"{method_path} HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    )
+    answer = _answer_to_a_stalled_body(http, head)
+    assert answer.split(b" ", 2)[1] == status, answer
+    headers = answer.partition(b"\r\n\r\n")[0].lower()
+    assert b"connection: close" in headers, answer
+
+
+def test_a_json_body_without_a_content_type_is_read_as_json(
+    http: httpx.Client, private_redis: Redis, published: dict[str, AdapterRecord]
+) -> None:
+    """As the strict-JSON check reads it: a valid job sent with no Content-Type is a job (it
+    was refused as "not a valid dictionary")."""
+    body = json.dumps({"adapter": _cold(published), "prompt": "hi"}).encode()
+    response = http.post("/v1/jobs", content=body, headers={"content-type": ""})
+    assert response.status_code == 202, response.text
