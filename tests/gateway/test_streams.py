@@ -115,6 +115,29 @@ def _kill(redis: Redis, name: str, command: str | None = None) -> int:
     return sum(int(redis.client_kill_filter(_id=client["id"])) for client in clients)
 
 
+def _reads_counted(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ids of the job records the waiter reads from now on, in order."""
+    from gateway import waiter as waiter_module
+
+    reads: list[str] = []
+    real_get_job = waiter_module.job_store.get_job
+
+    async def counted(pool: AsyncRedis, job_id: str, tenant: str) -> JobPublic | None:
+        reads.append(job_id)
+        return await real_get_job(pool, job_id, tenant)
+
+    monkeypatch.setattr(waiter_module.job_store, "get_job", counted)
+    return reads
+
+
+def _first_read(reads: list[str], job_id: str) -> None:
+    """Wait (60 s at most) until the waiter has read ``job_id``'s record."""
+    deadline = time.monotonic() + 60
+    while job_id not in reads:
+        assert time.monotonic() < deadline, "the long-poll never read its job"
+        time.sleep(0.01)
+
+
 def _running(redis: Redis) -> JobPublic:
     job = new_job(status=JobStatus.RUNNING, attempts=1)
     redis.hset(job_key(job.id), mapping={"status": "running", "record": job.model_dump_json()})
@@ -252,25 +275,13 @@ def test_a_long_poll_learns_of_an_end_published_while_its_subscription_was_down(
     """The job-events subscription drops, and the job ends before it is back: that event
     reached nobody. Re-subscribed, the waiter wakes every request to read its record again
     (which here never looks again on its own)."""
-    from gateway import waiter as waiter_module
-
-    reads: list[str] = []
-    real_get_job = waiter_module.job_store.get_job
-
-    async def counted(pool: AsyncRedis, job_id: str, tenant: str) -> JobPublic | None:
-        reads.append(job_id)
-        return await real_get_job(pool, job_id, tenant)
-
-    monkeypatch.setattr(waiter_module.job_store, "get_job", counted)
+    reads = _reads_counted(monkeypatch)
     job = _running(redis)
     with Hub(infra.redis_url) as hub:
         waiting = asyncio.run_coroutine_threadsafe(
             hub.waiter.wait(hub.pool, job.id, job.tenant, timeout_s=120), hub.loop
         )
-        deadline = time.monotonic() + 60
-        while job.id not in reads:  # it has read the job running, and waits
-            assert time.monotonic() < deadline, "the long-poll never read its job"
-            time.sleep(0.01)
+        _first_read(reads, job.id)  # it has read the job running, and waits
         assert _kill(redis, f"{hub.name}-events") == 1  # its subscription
         _finish(redis, job)  # published while the waiter reconnects (it pauses 1 s first)
         finished = waiting.result(timeout=180)
@@ -283,16 +294,7 @@ def test_a_completion_that_watched_before_admitting_reads_its_job_once(
     """``POST /v1/completions`` registers for its job's end before it admits the job, so no
     end can pass unnoticed: it reads the record once, when the end is announced (a long-poll
     of a job created elsewhere reads it first, then again at the end)."""
-    from gateway import waiter as waiter_module
-
-    reads: list[str] = []
-    real_get_job = waiter_module.job_store.get_job
-
-    async def counted(pool: AsyncRedis, job_id: str, tenant: str) -> JobPublic | None:
-        reads.append(job_id)
-        return await real_get_job(pool, job_id, tenant)
-
-    monkeypatch.setattr(waiter_module.job_store, "get_job", counted)
+    reads = _reads_counted(monkeypatch)
     watched, polled = _running(redis), _running(redis)
     with Hub(infra.redis_url) as hub:
 
@@ -307,10 +309,7 @@ def test_a_completion_that_watched_before_admitting_reads_its_job_once(
         polling = asyncio.run_coroutine_threadsafe(
             hub.waiter.wait(hub.pool, polled.id, polled.tenant, 120), hub.loop
         )
-        deadline = time.monotonic() + 60
-        while reads.count(polled.id) < 1:  # the long-poll's first read, before the end
-            assert time.monotonic() < deadline, "the long-poll never read its job"
-            time.sleep(0.01)
+        _first_read(reads, polled.id)  # the long-poll's first read, before the end
         _finish(redis, watched)
         _finish(redis, polled)
         finished = [waiting.result(timeout=60), polling.result(timeout=60)]
