@@ -1,0 +1,187 @@
+"""Batched receipt (``worker.receive``) against a real Redis: one read takes up to the free
+prefetch, records each message as kombu itself would, and whatever reads kombu's records
+(its acks, its restore by tag, as ``worker.reaper`` uses it) works on them unchanged."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+from kombu import Connection, Consumer, Queue
+from kombu.message import Message
+from redis import Redis
+
+from contracts.task_messages import task_message
+from tests.conftest import LocalStack
+from worker.receive import RECEIVE_BATCH, Transport
+
+UNACKED, UNACKED_INDEX = "unacked", "unacked_index"
+
+
+@pytest.fixture
+def queue(redis: Redis) -> Iterator[str]:
+    name = f"receive-test-{uuid.uuid4().hex[:8]}"
+    yield name
+    tags = [t for t, record in redis.hgetall(UNACKED).items() if name in record]  # type: ignore[union-attr]
+    if tags:
+        redis.hdel(UNACKED, *tags)
+        redis.zrem(UNACKED_INDEX, *tags)
+    redis.delete(name)
+
+
+def _push(redis: Redis, queue: str, n: int) -> list[str]:
+    """``n`` job messages onto ``queue`` as the gateway's admission pushes them; their raw JSON,
+    oldest first."""
+    raws = [
+        task_message("lorafleet.run_job", f"job-{i}", queue, [{"job_id": f"job-{i}"}], f"job {i}")
+        for i in range(n)
+    ]
+    for raw in raws:
+        redis.lpush(queue, raw)
+    return raws
+
+
+def _consumer(
+    url: str, queue: str, prefetch: int, on_message: Callable[[Message], None] | None = None
+) -> tuple[Connection, list[Message]]:
+    """A batched consumer of ``queue`` with ``prefetch``, consuming; its connection (to close)
+    and the list its messages are appended to."""
+    got: list[Message] = []
+    connection = Connection(url, transport=Transport)
+    consumer = Consumer(connection.channel(), [Queue(queue, no_declare=True)], accept=["json"])
+    consumer.qos(prefetch_count=prefetch)
+
+    def received(message: Message) -> None:
+        got.append(message)
+        if on_message is not None:
+            on_message(message)
+
+    consumer.register_callback(lambda _body, message: received(message))
+    consumer.consume()
+    return connection, got
+
+
+def _one_read(url: str, queue: str, prefetch: int) -> tuple[Connection, list[Message]]:
+    """A batched consumer reads once; its connection (open, its messages unacknowledged) and
+    what it received."""
+    connection, got = _consumer(url, queue, prefetch)
+    connection.drain_events(timeout=10)
+    return connection, got
+
+
+def _tag(raw: str) -> str:
+    return str(json.loads(raw)["properties"]["delivery_tag"])
+
+
+def test_one_read_takes_the_free_prefetch_and_records_each_as_kombu_does(
+    infra: LocalStack, redis: Redis, queue: str
+) -> None:
+    raws = _push(redis, queue, 10)
+    connection, got = _one_read(infra.redis_url, queue, prefetch=4)
+    try:
+        # One BRPOP and one script: four messages, oldest first, six left on the list.
+        assert [m.delivery_tag for m in got] == [_tag(r) for r in raws[:4]]
+        assert redis.llen(queue) == 6
+        for raw in raws[:4]:
+            # Exactly kombu's QoS.append record: [payload, exchange, routing key].
+            record = redis.hget(UNACKED, _tag(raw))
+            assert record is not None
+            assert json.loads(record) == [json.loads(raw), "", queue]
+            assert redis.zscore(UNACKED_INDEX, _tag(raw)) is not None
+        # kombu's ack removes them (and the QoS knows they were delivered).
+        got[0].ack()
+        got[1].ack()
+        assert redis.hget(UNACKED, _tag(raws[0])) is None
+        assert redis.zscore(UNACKED_INDEX, _tag(raws[1])) is None
+        assert redis.hget(UNACKED, _tag(raws[2])) is not None
+        # Two places free again: the next read takes two, not more.
+        before = len(got)
+        connection.drain_events(timeout=10)
+        assert len(got) - before == 2
+        assert redis.llen(queue) == 4
+    finally:
+        connection.close()
+
+
+def test_without_a_prefetch_limit_a_read_takes_at_most_a_batch(
+    infra: LocalStack, redis: Redis, queue: str
+) -> None:
+    _push(redis, queue, RECEIVE_BATCH + 5)
+    connection, got = _one_read(infra.redis_url, queue, prefetch=0)
+    try:
+        assert len(got) == RECEIVE_BATCH
+        assert redis.llen(queue) == 5
+    finally:
+        connection.close()
+
+
+def test_kombus_restore_by_tag_puts_a_batched_delivery_back(
+    infra: LocalStack, redis: Redis, queue: str
+) -> None:
+    """What ``worker.reaper`` does for a dead worker's deliveries: kombu's own transport restores
+    them from the records the batched receipt wrote."""
+    raws = _push(redis, queue, 3)
+    connection, got = _one_read(infra.redis_url, queue, prefetch=3)
+    try:
+        assert len(got) == 3 and redis.llen(queue) == 0
+        with Connection(infra.redis_url) as plain:
+            qos = plain.default_channel.qos
+            for raw in raws:
+                qos.restore_by_tag(_tag(raw))
+        assert all(redis.hget(UNACKED, _tag(r)) is None for r in raws)
+        assert all(redis.zscore(UNACKED_INDEX, _tag(r)) is None for r in raws)
+        back = [json.loads(r) for r in _list(redis, queue)]
+        assert sorted(m["properties"]["delivery_tag"] for m in back) == sorted(map(_tag, raws))
+        assert all(m["headers"]["redelivered"] for m in back)
+    finally:
+        connection.close()
+
+
+def test_a_message_the_script_cannot_read_is_left_at_the_head_of_the_queue(
+    infra: LocalStack, redis: Redis, queue: str
+) -> None:
+    first = _push(redis, queue, 1)[0]
+    redis.lpush(queue, "not json")
+    last = _push(redis, queue, 1)[0]
+    connection, got = _one_read(infra.redis_url, queue, prefetch=10)
+    try:
+        assert [m.delivery_tag for m in got] == [_tag(first)]
+        # Put back where it was: read next (by kombu, which decides what to do with it).
+        assert _list(redis, queue) == [last, "not json"]
+    finally:
+        connection.close()
+
+
+def test_messages_not_handed_over_go_back_to_the_head_of_their_queue(
+    infra: LocalStack, redis: Redis, queue: str
+) -> None:
+    raws = _push(redis, queue, 5)
+
+    def fail_on_the_second(message: Message) -> None:
+        if message.delivery_tag == _tag(raws[1]):
+            raise RuntimeError("the consumer failed")
+
+    connection, got = _consumer(infra.redis_url, queue, 4, on_message=fail_on_the_second)
+    try:
+        with pytest.raises(RuntimeError, match="the consumer failed"):
+            connection.drain_events(timeout=10)
+        assert [m.delivery_tag for m in got] == [_tag(raws[0]), _tag(raws[1])]
+        # The third and fourth were taken and recorded, never handed over: back on the queue,
+        # in order, next to be read (LPUSHed, so the list's last is read first); their
+        # records gone. The first two were handed over: recorded, as with kombu alone.
+        assert [_tag(r) for r in _list(redis, queue)] == [_tag(raws[i]) for i in (4, 3, 2)]
+        assert redis.hget(UNACKED, _tag(raws[2])) is None
+        assert redis.zscore(UNACKED_INDEX, _tag(raws[3])) is None
+        assert redis.hget(UNACKED, _tag(raws[1])) is not None
+    finally:
+        connection.close()
+    # Closing hands back what it was given and did not acknowledge (kombu's restore at
+    # shutdown): all five on the queue, no record left.
+    assert sorted(_tag(r) for r in _list(redis, queue)) == sorted(map(_tag, raws))
+    assert not any(redis.hget(UNACKED, _tag(r)) for r in raws)
+
+
+def _list(redis: Redis, queue: str) -> list[str]:
+    return [str(r) for r in redis.lrange(queue, 0, -1)]  # type: ignore[union-attr]

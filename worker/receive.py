@@ -1,0 +1,168 @@
+"""Receipt in batches: after a ``BRPOP``, one script records it and takes the queue's next few.
+
+kombu's Redis transport receives one message per ``BRPOP`` and then records it as
+unacknowledged (``unacked`` hash and ``unacked_index`` sorted set) in a ``MULTI`` of its own
+(``QoS.append``): two round trips and an event-loop turn per message in the worker's one
+consumer thread, before Celery's own dispatch. Here the ``BRPOP``'s message is recorded by a
+script that, in the same call, pops up to the consumer's free prefetch (at most
+``RECEIVE_BATCH``) further messages from the same list and records each as kombu would, in
+kombu's own format (``[payload, exchange, routing key]`` under the delivery tag, scored by
+the time of receipt). So a burst of ``n`` messages costs one ``BRPOP`` and one script instead
+of ``n`` of each; the extra messages are never off the list without being recorded (kombu
+pops and records in two steps; the first message of a batch still has that window, as with
+kombu alone). Everything that reads those records is unchanged: kombu's acks, its
+visibility-timeout restore and its restore of unstarted messages at shutdown, and
+``worker.reaper``, which restores a dead worker's deliveries by tag.
+
+The prefetch limit holds: a batch takes no more than the QoS allows (``can_consume_max_estimate``),
+so ``worker_prefetch_multiplier`` still bounds what a busy worker holds. A batch comes from one
+list: with several queues, kombu's rotation between them moves on per batch, not per
+message (``RECEIVE_BATCH`` bounds how long one queue can be favoured).
+
+kombu's ``_brpop_read`` is replaced (``BatchedChannel``); where its shape is not the one this
+was written against (``global_keyprefix`` set, or a kombu without the attributes it uses),
+the channel reads as kombu does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from queue import Empty
+from typing import Any
+
+from kombu.transport import redis as kombu_redis
+from kombu.transport.virtual import QoS as VirtualQoS
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import loads
+
+RECEIVE_BATCH = 16
+"""At most this many messages are taken from one list in one receipt (the ``BRPOP``'s and up to
+``RECEIVE_BATCH - 1`` more)."""
+
+RECEIVE = """
+-- KEYS[1] the list the BRPOP answered from, KEYS[2] kombu's unacked index, KEYS[3] its unacked
+-- hash. ARGV[1] the time of receipt, ARGV[2] how many more to take, ARGV[3] and ARGV[4] the
+-- BRPOP's message's delivery tag and its record.
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[3])
+redis.call('HSET', KEYS[3], ARGV[3], ARGV[4])
+local taken = {}
+for _ = 1, tonumber(ARGV[2]) do
+  local item = redis.call('RPOP', KEYS[1])
+  if not item then break end
+  local ok, message = pcall(cjson.decode, item)
+  local props = ok and type(message) == 'table' and message['properties']
+  local tag = type(props) == 'table' and props['delivery_tag']
+  local info = type(props) == 'table' and props['delivery_info']
+  if type(tag) ~= 'string' or type(info) ~= 'table' then
+    -- Not a message this script can record: back where it was, for kombu's own read.
+    redis.call('RPUSH', KEYS[1], item)
+    break
+  end
+  redis.call('ZADD', KEYS[2], ARGV[1], tag)
+  redis.call('HSET', KEYS[3], tag,
+    '[' .. item .. ',' .. cjson.encode(info['exchange']) .. ','
+    .. cjson.encode(info['routing_key']) .. ']')
+  taken[#taken + 1] = item
+end
+return taken
+"""
+
+
+def unacked_record(payload: dict[str, Any]) -> str:
+    """What kombu's ``QoS.append`` stores under a delivery tag: ``[payload, exchange, key]``."""
+    info = payload["properties"]["delivery_info"]
+    return json.dumps([payload, info["exchange"], info["routing_key"]])
+
+
+class BatchedQoS(kombu_redis.QoS):
+    """kombu's QoS, except that a message the receipt script already recorded is only
+    remembered as delivered (no second ``MULTI``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.recorded: set[str] = set()
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        if delivery_tag in self.recorded:
+            self.recorded.discard(delivery_tag)
+            VirtualQoS.append(self, message, delivery_tag)
+        else:
+            super().append(message, delivery_tag)
+
+
+class BatchedChannel(kombu_redis.Channel):
+    QoS = BatchedQoS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._receive_script: Any = None
+
+    def _brpop_read(self, **options: Any) -> bool:
+        if self.global_keyprefix or not isinstance(self.qos, BatchedQoS):
+            return bool(super()._brpop_read(**options))
+        try:
+            try:
+                key__item = self.client.parse_response(self.client.connection, "BRPOP", **options)
+            except self.connection_errors:
+                # As kombu: the next iteration reconnects.
+                self.client.connection.disconnect()
+                raise
+            if not key__item:
+                raise Empty()
+            key, item = key__item
+            key = bytes_to_str(key)
+            dest = key.rsplit(self.sep, 1)[0]
+            self._queue_cycle.rotate(dest)
+            payload = loads(bytes_to_str(item))
+            more = self._record_and_take(key, payload)
+            self.connection._deliver(payload, dest)
+            self._deliver_taken(more, dest)
+            return True
+        finally:
+            self._in_poll = None  # type: ignore[assignment]
+            flush = getattr(self, "_flush_brpop_reauth", None)
+            if flush is not None:
+                flush()
+
+    def _record_and_take(self, key: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        """Record the ``BRPOP``'s message as unacknowledged and pop and record up to the free
+        prefetch more from ``key``, in one script; the popped messages, oldest first."""
+        qos = self.qos
+        free = qos.can_consume_max_estimate()
+        # The BRPOP's message is not appended yet: it takes one of the free places.
+        more = RECEIVE_BATCH - 1 if free is None else max(0, min(RECEIVE_BATCH, free) - 1)
+        tag = str(payload["properties"]["delivery_tag"])
+        with self.conn_or_acquire() as client:
+            if self._receive_script is None:
+                self._receive_script = client.register_script(RECEIVE)
+            taken = self._receive_script(
+                keys=[key, self.unacked_index_key, self.unacked_key],
+                args=[time.time(), more, tag, unacked_record(payload)],
+                client=client,
+            )
+        qos.recorded.add(tag)
+        messages = [loads(bytes_to_str(raw)) for raw in taken]
+        qos.recorded.update(str(m["properties"]["delivery_tag"]) for m in messages)
+        return messages
+
+    def _deliver_taken(self, messages: list[dict[str, Any]], dest: str) -> None:
+        """Hand the script's messages to their consumer; if that fails half-way, the ones not
+        handed over go back to the head of their queue at once (recorded but undelivered,
+        they would otherwise wait for the visibility timeout)."""
+        for i, message in enumerate(messages):
+            try:
+                self.connection._deliver(message, dest)
+            except BaseException:
+                # Newest first: each goes back to the end the queue is read from.
+                for rest in reversed(messages[i + 1 :]):
+                    tag = str(rest["properties"]["delivery_tag"])
+                    self.qos.recorded.discard(tag)
+                    self.qos.restore_by_tag(tag)
+                raise
+
+
+class Transport(kombu_redis.Transport):
+    """kombu's Redis transport with batched receipt (``redis://`` in the worker process)."""
+
+    Channel = BatchedChannel
