@@ -71,6 +71,8 @@ app.conf.update(
         # 10 x 10 s; a dead worker's jobs should not wait that long).
         "unacked_restore_interval": settings.restore_interval_s,
         "unacked_restore_throttle": 1,
+        # Read by ``worker.receive``: how many jobs one receipt may take.
+        "receive_batch": settings.receive_batch,
     },
     # Jobs reserved per pool thread: with 1, a busy worker cannot hoard a queue.
     worker_prefetch_multiplier=settings.prefetch_multiplier,

@@ -156,6 +156,14 @@ class WorkerSettings(ServiceSettings):
         ge=1,
         description="Jobs reserved per pool thread; 1 keeps a busy worker from hoarding a queue.",
     )
+    receive_batch: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description="Jobs one receipt may take from a queue (within the free prefetch): a burst "
+        "of n costs one `BRPOP` and one script instead of n of each; 1 takes one at a time, "
+        "which spreads a small burst more evenly over idle workers.",
+    )
     drain_timeout_s: float = Field(
         default=120.0,
         ge=0,

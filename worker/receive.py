@@ -4,24 +4,25 @@ kombu's Redis transport receives one message per ``BRPOP`` and then records it a
 unacknowledged (``unacked`` hash and ``unacked_index`` sorted set) in a ``MULTI`` of its own
 (``QoS.append``): two round trips and an event-loop turn per message in the worker's one
 consumer thread, before Celery's own dispatch. Here the ``BRPOP``'s message is recorded by a
-script that, in the same call, pops up to the consumer's free prefetch (at most
-``RECEIVE_BATCH``) further messages from the same list and records each as kombu would, in
-kombu's own format (``[payload, exchange, routing key]`` under the delivery tag, scored by
-the time of receipt). So a burst of ``n`` messages costs one ``BRPOP`` and one script instead
-of ``n`` of each; the extra messages are never off the list without being recorded (kombu
-pops and records in two steps; the first message of a batch still has that window, as with
-kombu alone). Everything that reads those records is unchanged: kombu's acks, its
+script that, in the same call, pops further messages from the same list, up to the
+consumer's free prefetch and ``LORAFLEET_RECEIVE_BATCH`` (16) in all, and records each as
+kombu would, in kombu's own format (``[payload, exchange, routing key]`` under the delivery
+tag, scored by the time of receipt). So a burst of ``n`` messages costs one ``BRPOP`` and one
+script instead of ``n`` of each, and the extra messages are never off the list unrecorded
+(kombu pops and records in two steps; the first message of a batch still has that window, as
+with kombu alone). Everything that reads those records is unchanged: kombu's acks, its
 visibility-timeout restore and its restore of unstarted messages at shutdown, and
 ``worker.reaper``, which restores a dead worker's deliveries by tag.
 
-The prefetch limit holds: a batch takes no more than the QoS allows (``can_consume_max_estimate``),
-so ``worker_prefetch_multiplier`` still bounds what a busy worker holds. A batch comes from one
-list: with several queues, kombu's rotation between them moves on per batch, not per
-message (``RECEIVE_BATCH`` bounds how long one queue can be favoured).
+The prefetch limit holds: a batch takes no more than the QoS allows
+(``can_consume_max_estimate``), so ``worker_prefetch_multiplier`` still bounds what a worker
+holds. A batch comes from one list: with several queues, kombu's rotation between them moves
+on per batch, not per message. And a small burst goes mostly to the first idle worker to read
+it, where one at a time spreads it over the idle workers ``BRPOP``ing the queue;
+``LORAFLEET_RECEIVE_BATCH=1`` reads as kombu does.
 
-kombu's ``_brpop_read`` is replaced (``BatchedChannel``); where its shape is not the one this
-was written against (``global_keyprefix`` set, or a kombu without the attributes it uses),
-the channel reads as kombu does.
+kombu's ``_brpop_read`` is replaced (``BatchedChannel``, written against kombu 5.7); with a
+``global_keyprefix`` or a batch of 1 the channel reads as kombu does.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from kombu.utils.json import loads
 
 RECEIVE_BATCH = 16
 """At most this many messages are taken from one list in one receipt (the ``BRPOP``'s and up to
-``RECEIVE_BATCH - 1`` more)."""
+``RECEIVE_BATCH - 1`` more), unless the transport option ``receive_batch`` says otherwise
+(``LORAFLEET_RECEIVE_BATCH``)."""
 
 RECEIVE = """
 -- KEYS[1] the list the BRPOP answered from, KEYS[2] kombu's unacked index, KEYS[3] its unacked
@@ -97,9 +99,11 @@ class BatchedChannel(kombu_redis.Channel):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._receive_script: Any = None
+        options = self.connection.client.transport_options or {}
+        self._batch = max(1, int(options.get("receive_batch", RECEIVE_BATCH)))
 
     def _brpop_read(self, **options: Any) -> bool:
-        if self.global_keyprefix or not isinstance(self.qos, BatchedQoS):
+        if self._batch == 1 or self.global_keyprefix or not isinstance(self.qos, BatchedQoS):
             return bool(super()._brpop_read(**options))
         try:
             try:
@@ -131,7 +135,7 @@ class BatchedChannel(kombu_redis.Channel):
         qos = self.qos
         free = qos.can_consume_max_estimate()
         # The BRPOP's message is not appended yet: it takes one of the free places.
-        more = RECEIVE_BATCH - 1 if free is None else max(0, min(RECEIVE_BATCH, free) - 1)
+        more = self._batch - 1 if free is None else max(0, min(self._batch, free) - 1)
         tag = str(payload["properties"]["delivery_tag"])
         with self.conn_or_acquire() as client:
             if self._receive_script is None:

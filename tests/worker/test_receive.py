@@ -44,12 +44,16 @@ def _push(redis: Redis, queue: str, n: int) -> list[str]:
 
 
 def _consumer(
-    url: str, queue: str, prefetch: int, on_message: Callable[[Message], None] | None = None
+    url: str,
+    queue: str,
+    prefetch: int,
+    on_message: Callable[[Message], None] | None = None,
+    options: dict[str, int] | None = None,
 ) -> tuple[Connection, list[Message]]:
     """A batched consumer of ``queue`` with ``prefetch``, consuming; its connection (to close)
     and the list its messages are appended to."""
     got: list[Message] = []
-    connection = Connection(url, transport=Transport)
+    connection = Connection(url, transport=Transport, transport_options=options or {})
     consumer = Consumer(connection.channel(), [Queue(queue, no_declare=True)], accept=["json"])
     consumer.qos(prefetch_count=prefetch)
 
@@ -63,10 +67,12 @@ def _consumer(
     return connection, got
 
 
-def _one_read(url: str, queue: str, prefetch: int) -> tuple[Connection, list[Message]]:
+def _one_read(
+    url: str, queue: str, prefetch: int, options: dict[str, int] | None = None
+) -> tuple[Connection, list[Message]]:
     """A batched consumer reads once; its connection (open, its messages unacknowledged) and
     what it received."""
-    connection, got = _consumer(url, queue, prefetch)
+    connection, got = _consumer(url, queue, prefetch, options=options)
     connection.drain_events(timeout=10)
     return connection, got
 
@@ -113,6 +119,28 @@ def test_without_a_prefetch_limit_a_read_takes_at_most_a_batch(
     try:
         assert len(got) == RECEIVE_BATCH
         assert redis.llen(queue) == 5
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_batch_setting_bounds_a_read(
+    infra: LocalStack, redis: Redis, queue: str, batch: int
+) -> None:
+    """``LORAFLEET_RECEIVE_BATCH`` reaches the channel as the transport option ``receive_batch``;
+    1 reads one message at a time, recorded by kombu's own ``QoS.append``."""
+    raws = _push(redis, queue, 10)
+    connection, got = _one_read(
+        infra.redis_url, queue, prefetch=8, options={"receive_batch": batch}
+    )
+    try:
+        assert [m.delivery_tag for m in got] == [_tag(r) for r in raws[:batch]]
+        assert redis.llen(queue) == 10 - batch
+        assert json.loads(redis.hget(UNACKED, _tag(raws[0])) or "null") == [
+            json.loads(raws[0]),
+            "",
+            queue,
+        ]
     finally:
         connection.close()
 
