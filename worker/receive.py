@@ -5,7 +5,7 @@ unacknowledged (``unacked`` hash and ``unacked_index`` sorted set) in a ``MULTI`
 (``QoS.append``): two round trips and an event-loop turn per message in the worker's one
 consumer thread, before Celery's own dispatch. Here the ``BRPOP``'s message is recorded by a
 script that, in the same call, pops further messages from the same list, up to the
-consumer's free prefetch and ``LORAFLEET_RECEIVE_BATCH`` (16) in all, and records each as
+consumer's free prefetch and ``LORAFLEET_RECEIVE_BATCH`` in all, and records each as
 kombu would, in kombu's own format (``[payload, exchange, routing key]`` under the delivery
 tag, scored by the time of receipt). So a burst of ``n`` messages costs one ``BRPOP`` and one
 script instead of ``n`` of each, and the extra messages are never off the list unrecorded
@@ -22,7 +22,8 @@ it, where one at a time spreads it over the idle workers ``BRPOP``ing the queue;
 ``LORAFLEET_RECEIVE_BATCH=1`` reads as kombu does.
 
 kombu's ``_brpop_read`` is replaced (``BatchedChannel``, written against kombu 5.7); with a
-``global_keyprefix`` or a batch of 1 the channel reads as kombu does.
+``global_keyprefix`` or a batch of 1 the channel reads as kombu does. The worker uses this
+transport only when ``LORAFLEET_RECEIVE_BATCH`` is above 1 (off by default: README).
 """
 
 from __future__ import annotations

@@ -55,11 +55,8 @@ FLEET_ENV = {
     # Leases renewed every 2 s; a dead worker's running jobs wait up to 8 s for theirs.
     "LORAFLEET_LEASE_TTL_S": "8",
     "LORAFLEET_ENGINE_PROBE_S": "1",
-    # Generous: on a loaded 2-core machine a busy engine can take seconds to answer, and with
-    # three CPU engines sharing the cores a step of a healthy engine given a burst of handed-
-    # back jobs was seen to go 30 s without an output (its worker process at 100% in a LoRA
-    # prefill): a 30 s probe failed it and its jobs ran out of attempts.
-    "LORAFLEET_ENGINE_PROBE_TIMEOUT_S": "60",
+    # Generous: on a loaded 2-core machine a busy engine can take seconds to answer.
+    "LORAFLEET_ENGINE_PROBE_TIMEOUT_S": "30",
     "LORAFLEET_ENGINE_FAILURE_EXIT_S": "30",
     "LORAFLEET_SWEEP_INTERVAL_S": "1",
     "LORAFLEET_SWEEP_GRACE_S": "2",

@@ -21,9 +21,9 @@ from tests.integration.fleet.conftest import (
 from tests.sentry_server import recording_sentry, sentry_events
 
 EXIT_ENGINE_FAILED = 75
-# Engine failure noticed within ~1 s (dead core) or 60 s (probe timeout), plus at most the
+# Engine failure noticed within ~1 s (dead core) or 30 s (probe timeout), plus at most the
 # worker's 30 s bound to hand its jobs back and leave.
-EXIT_BOUND_S = 120
+EXIT_BOUND_S = 90
 
 
 def _jobs_on(fleet: Fleet, target: Child, count: int) -> list[str]:
