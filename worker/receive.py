@@ -28,7 +28,7 @@ transport only when ``LORAFLEET_RECEIVE_BATCH`` is above 1 (off by default: READ
 
 from __future__ import annotations
 
-import json
+import logging
 import time
 from queue import Empty
 from typing import Any
@@ -36,7 +36,9 @@ from typing import Any
 from kombu.transport import redis as kombu_redis
 from kombu.transport.virtual import QoS as VirtualQoS
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import loads
+from kombu.utils.json import dumps, loads
+
+log = logging.getLogger(__name__)
 
 RECEIVE_BATCH = 16
 """At most this many messages are taken from one list in one receipt (the ``BRPOP``'s and up to
@@ -46,7 +48,7 @@ RECEIVE_BATCH = 16
 RECEIVE = """
 -- KEYS[1] the list the BRPOP answered from, KEYS[2] kombu's unacked index, KEYS[3] its unacked
 -- hash. ARGV[1] the time of receipt, ARGV[2] how many more to take, ARGV[3] and ARGV[4] the
--- BRPOP's message's delivery tag and its record.
+-- BRPOP's message's delivery tag and its record. Returns each message taken and its tag.
 redis.call('ZADD', KEYS[2], ARGV[1], ARGV[3])
 redis.call('HSET', KEYS[3], ARGV[3], ARGV[4])
 local taken = {}
@@ -57,7 +59,8 @@ for _ = 1, tonumber(ARGV[2]) do
   local props = ok and type(message) == 'table' and message['properties']
   local tag = type(props) == 'table' and props['delivery_tag']
   local info = type(props) == 'table' and props['delivery_info']
-  if type(tag) ~= 'string' or type(info) ~= 'table' then
+  if type(tag) ~= 'string' or type(info) ~= 'table'
+      or type(info['exchange']) ~= 'string' or type(info['routing_key']) ~= 'string' then
     -- Not a message this script can record: back where it was, for kombu's own read.
     redis.call('RPUSH', KEYS[1], item)
     break
@@ -67,6 +70,7 @@ for _ = 1, tonumber(ARGV[2]) do
     '[' .. item .. ',' .. cjson.encode(info['exchange']) .. ','
     .. cjson.encode(info['routing_key']) .. ']')
   taken[#taken + 1] = item
+  taken[#taken + 1] = tag
 end
 return taken
 """
@@ -75,7 +79,7 @@ return taken
 def unacked_record(payload: dict[str, Any]) -> str:
     """What kombu's ``QoS.append`` stores under a delivery tag: ``[payload, exchange, key]``."""
     info = payload["properties"]["delivery_info"]
-    return json.dumps([payload, info["exchange"], info["routing_key"]])
+    return str(dumps([payload, info["exchange"], info["routing_key"]]))
 
 
 class BatchedQoS(kombu_redis.QoS):
@@ -100,11 +104,27 @@ class BatchedChannel(kombu_redis.Channel):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._receive_script: Any = None
+        self._no_ack_queues: set[str] = set()
         options = self.connection.client.transport_options or {}
         self._batch = max(1, int(options.get("receive_batch", RECEIVE_BATCH)))
 
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        # kombu records nothing for a no-ack consumer (``virtual.Channel.basic_consume``):
+        # while this channel has one, it reads as kombu does.
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        return super().basic_consume(queue, no_ack, *args, **kwargs)
+
+    def _kombus_read(self) -> bool:
+        return bool(
+            self._batch == 1
+            or self.global_keyprefix
+            or self._no_ack_queues
+            or not isinstance(self.qos, BatchedQoS)
+        )
+
     def _brpop_read(self, **options: Any) -> bool:
-        if self._batch == 1 or self.global_keyprefix or not isinstance(self.qos, BatchedQoS):
+        if self._kombus_read():
             return bool(super()._brpop_read(**options))
         try:
             try:
@@ -120,9 +140,11 @@ class BatchedChannel(kombu_redis.Channel):
             dest = key.rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(dest)
             payload = loads(bytes_to_str(item))
-            more = self._record_and_take(key, payload)
-            self.connection._deliver(payload, dest)
-            self._deliver_taken(more, dest)
+            # No consumer for the queue any more (cancelled while the BRPOP was out, or the
+            # channel closing): take nothing more than kombu would.
+            wanted = dest in self.connection._callbacks and not self._closing
+            taken = self._record_and_take(key, payload, wanted)
+            self._hand_over(payload, taken, dest)
             return True
         finally:
             self._in_poll = None  # type: ignore[assignment]
@@ -130,9 +152,12 @@ class BatchedChannel(kombu_redis.Channel):
             if flush is not None:
                 flush()
 
-    def _record_and_take(self, key: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    def _record_and_take(
+        self, key: str, payload: dict[str, Any], wanted: bool
+    ) -> list[tuple[str, Any]]:
         """Record the ``BRPOP``'s message as unacknowledged and pop and record up to the free
-        prefetch more from ``key``, in one script; the popped messages, oldest first."""
+        prefetch more from ``key`` (none if not ``wanted``), in one script; the popped
+        messages as (delivery tag, raw message), oldest first."""
         qos = self.qos
         free = qos.can_consume_max_estimate()
         # The BRPOP's message is not appended yet: it takes one of the free places.
@@ -141,30 +166,35 @@ class BatchedChannel(kombu_redis.Channel):
         with self.conn_or_acquire() as client:
             if self._receive_script is None:
                 self._receive_script = client.register_script(RECEIVE)
-            taken = self._receive_script(
+            flat = self._receive_script(
                 keys=[key, self.unacked_index_key, self.unacked_key],
-                args=[time.time(), more, tag, unacked_record(payload)],
+                args=[time.time(), more if wanted else 0, tag, unacked_record(payload)],
                 client=client,
             )
+        taken = [(bytes_to_str(flat[i + 1]), flat[i]) for i in range(0, len(flat), 2)]
         qos.recorded.add(tag)
-        messages = [loads(bytes_to_str(raw)) for raw in taken]
-        qos.recorded.update(str(m["properties"]["delivery_tag"]) for m in messages)
-        return messages
+        qos.recorded.update(t for t, _ in taken)
+        return taken
 
-    def _deliver_taken(self, messages: list[dict[str, Any]], dest: str) -> None:
-        """Hand the script's messages to their consumer; if that fails half-way, the ones not
-        handed over go back to the head of their queue at once (recorded but undelivered,
-        they would otherwise wait for the visibility timeout)."""
-        for i, message in enumerate(messages):
-            try:
-                self.connection._deliver(message, dest)
-            except BaseException:
-                # Newest first: each goes back to the end the queue is read from.
-                for rest in reversed(messages[i + 1 :]):
-                    tag = str(rest["properties"]["delivery_tag"])
+    def _hand_over(self, payload: dict[str, Any], taken: list[tuple[str, Any]], dest: str) -> None:
+        """Hand the messages of one read to their consumer. Whatever was recorded and not handed
+        over (the consumer or a message's decoding failed half-way) goes back to the head of
+        its queue at once: recorded but undelivered, it would otherwise wait for the
+        visibility timeout (neither the restore at shutdown nor a reaper knows it)."""
+        tags = [str(payload["properties"]["delivery_tag"]), *(t for t, _ in taken)]
+        try:
+            self.connection._deliver(payload, dest)
+            for _, raw in taken:
+                self.connection._deliver(loads(bytes_to_str(raw)), dest)
+        finally:
+            # Newest first: each goes back to the end the queue is read from.
+            for tag in reversed(tags):
+                if tag in self.qos.recorded:
                     self.qos.recorded.discard(tag)
-                    self.qos.restore_by_tag(tag)
-                raise
+                    try:
+                        self.qos.restore_by_tag(tag)
+                    except Exception:
+                        log.warning("could not hand delivery %s back; its record stays", tag)
 
 
 class Transport(kombu_redis.Transport):
