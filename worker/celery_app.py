@@ -71,8 +71,6 @@ app.conf.update(
         # 10 x 10 s; a dead worker's jobs should not wait that long).
         "unacked_restore_interval": settings.restore_interval_s,
         "unacked_restore_throttle": 1,
-        # Read by ``worker.receive``: how many jobs one receipt may take.
-        "receive_batch": settings.receive_batch,
     },
     # Jobs reserved per pool thread: with 1, a busy worker cannot hoard a queue.
     worker_prefetch_multiplier=settings.prefetch_multiplier,
@@ -92,6 +90,8 @@ if settings.receive_batch > 1 and settings.effective_broker_url.startswith(("red
     # (README, "Delivery guarantees"). Plain Redis URLs only: a given transport overrides the
     # URL's scheme, and ``sentinel://`` needs kombu's Sentinel transport.
     app.conf.broker_transport = "worker.receive:Transport"
+    # Read by ``worker.receive``: how many jobs one receipt may take.
+    app.conf.broker_transport_options["receive_batch"] = settings.receive_batch
 
 
 def _refuse_when_detached(original: Any) -> Any:

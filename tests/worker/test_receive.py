@@ -5,6 +5,9 @@ prefetch, records each message as kombu itself would, and whatever reads kombu's
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -216,3 +219,34 @@ def test_messages_not_handed_over_go_back_to_the_head_of_their_queue(
 
 def _list(redis: Redis, queue: str) -> list[str]:
     return [str(r) for r in redis.lrange(queue, 0, -1)]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("env", "transport"),
+    [
+        ({}, None),
+        ({"LORAFLEET_RECEIVE_BATCH": "8"}, "worker.receive:Transport"),
+        (
+            {"LORAFLEET_RECEIVE_BATCH": "8", "LORAFLEET_BROKER_URL": "sentinel://localhost:26379"},
+            None,
+        ),
+    ],
+)
+def test_the_worker_uses_the_batched_transport_only_when_asked(
+    env: dict[str, str], transport: str | None
+) -> None:
+    """Off by default (kombu's own read, and no extra transport option); on above 1, for plain
+    Redis brokers only (a given transport would override a ``sentinel://`` URL's)."""
+    probe = (
+        "import json; from worker.celery_app import app; "
+        "print(json.dumps([app.conf.broker_transport, "
+        "app.conf.broker_transport_options.get('receive_batch')]))"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LORAFLEET_")}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env={**clean, **env}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    chosen, batch = json.loads(done.stdout.strip().splitlines()[-1])
+    assert chosen == transport
+    assert batch == (8 if transport else None)
