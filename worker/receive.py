@@ -140,11 +140,12 @@ class BatchedChannel(kombu_redis.Channel):
             dest = key.rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(dest)
             payload = loads(bytes_to_str(item))
+            tag = str(payload["properties"]["delivery_tag"])
             # No consumer for the queue any more (cancelled while the BRPOP was out, or the
             # channel closing): take nothing more than kombu would.
             wanted = dest in self.connection._callbacks and not self._closing
-            taken = self._record_and_take(key, payload, wanted)
-            self._hand_over(payload, taken, dest)
+            taken = self._record_and_take(key, payload, tag, wanted)
+            self._hand_over(payload, [tag, *(t for t, _ in taken)], taken, dest)
             return True
         finally:
             self._in_poll = None  # type: ignore[assignment]
@@ -153,16 +154,15 @@ class BatchedChannel(kombu_redis.Channel):
                 flush()
 
     def _record_and_take(
-        self, key: str, payload: dict[str, Any], wanted: bool
+        self, key: str, payload: dict[str, Any], tag: str, wanted: bool
     ) -> list[tuple[str, Any]]:
-        """Record the ``BRPOP``'s message as unacknowledged and pop and record up to the free
-        prefetch more from ``key`` (none if not ``wanted``), in one script; the popped
-        messages as (delivery tag, raw message), oldest first."""
+        """Record the ``BRPOP``'s message (delivery tag ``tag``) as unacknowledged and pop
+        and record up to the free prefetch more from ``key`` (none if not ``wanted``), in one
+        script; the popped messages as (delivery tag, raw message), oldest first."""
         qos = self.qos
         free = qos.can_consume_max_estimate()
         # The BRPOP's message is not appended yet: it takes one of the free places.
         more = self._batch - 1 if free is None else max(0, min(self._batch, free) - 1)
-        tag = str(payload["properties"]["delivery_tag"])
         with self.conn_or_acquire() as client:
             if self._receive_script is None:
                 self._receive_script = client.register_script(RECEIVE)
@@ -176,12 +176,14 @@ class BatchedChannel(kombu_redis.Channel):
         qos.recorded.update(t for t, _ in taken)
         return taken
 
-    def _hand_over(self, payload: dict[str, Any], taken: list[tuple[str, Any]], dest: str) -> None:
-        """Hand the messages of one read to their consumer. Whatever was recorded and not handed
+    def _hand_over(
+        self, payload: dict[str, Any], tags: list[str], taken: list[tuple[str, Any]], dest: str
+    ) -> None:
+        """Hand the messages of one read (their delivery ``tags``, the ``BRPOP``'s first) to
+        their consumer. Whatever was recorded and not handed
         over (the consumer or a message's decoding failed half-way) goes back to the head of
         its queue at once: recorded but undelivered, it would otherwise wait for the
         visibility timeout (neither the restore at shutdown nor a reaper knows it)."""
-        tags = [str(payload["properties"]["delivery_tag"]), *(t for t, _ in taken)]
         try:
             self.connection._deliver(payload, dest)
             for _, raw in taken:
