@@ -90,7 +90,7 @@ class StrictJsonBodies:
         if not _presents_a_key(scope):
             # Who asks comes first, and an anonymous body costs nothing: it is never read
             # (nor waited for), and the connection closes with the answer.
-            await _unauthorized(scope, receive, send, {"Connection": "close"})
+            await _unauthorized(scope, receive, send)
             return
         others = _BODY_TYPES.get(path)
         if others is None:
@@ -149,12 +149,10 @@ async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, body:
     await error_response(status, body, param="body")(scope, receive, send)
 
 
-async def _unauthorized(
-    scope: Scope, receive: Receive, send: Send, headers: dict[str, str] | None = None
-) -> None:
-    """401, as the routes' key check answers a request without a key."""
+async def _unauthorized(scope: Scope, receive: Receive, send: Send) -> None:
+    """401, as the routes' key check answers a request without a key; the connection closes
+    (its body is never read)."""
     denied = refused()
     body = ErrorBody(code=denied.code, message=denied.message)
-    await error_response(401, body, headers={**(denied.headers or {}), **(headers or {})})(
-        scope, receive, send
-    )
+    headers = {**(denied.headers or {}), "Connection": "close"}
+    await error_response(401, body, headers=headers)(scope, receive, send)
