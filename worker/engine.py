@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil
@@ -35,6 +36,42 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from worker.config import LoraRank, WorkerSettings
 
 T = TypeVar("T")
+
+_PROBE_LOOK_S = 0.5
+"""While a probe waits, how often it looks whether the core exited or the watch is closing."""
+
+
+def _engine_processes_seen(window_s: float = 1.0) -> str:
+    """For the log of a probe that timed out: each process under this one (vLLM's engine core
+    and model workers) with its state and the share of a core it used over ``window_s``, and
+    the host's CPU and memory pressure (PSI, ``some avg10``). Tells a busy engine on a
+    starved or thrashing host from one that is stopped or waits on nothing."""
+    try:
+        children = psutil.Process().children(recursive=True)
+        before = {}
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                before[child.pid] = sum(child.cpu_times()[:2])
+        time.sleep(window_s)
+        parts = []
+        for child in children:
+            with contextlib.suppress(psutil.Error):
+                used = sum(child.cpu_times()[:2]) - before.get(child.pid, 0.0)
+                parts.append(
+                    f"{child.name()} {child.pid} {child.status()} "
+                    f"{100 * used / window_s:.0f}% of a core"
+                )
+    except psutil.Error as exc:
+        parts = [f"processes unreadable ({exc})"]
+    for resource in ("cpu", "memory", "io"):
+        try:
+            first = Path(f"/proc/pressure/{resource}").read_text().split("\n", 1)[0]
+        except OSError:
+            continue
+        parts.append(f"{resource} pressure {first}")
+    return "; ".join(parts) or "no engine process found"
+
+
 log = logging.getLogger(__name__)
 
 
@@ -288,11 +325,13 @@ class EngineHost:
             future.cancel()
             raise
 
-    def probe(self, timeout_s: float) -> None:
+    def probe(self, timeout_s: float, stopping: threading.Event | None = None) -> None:
         """One round trip through the loop and the engine core (served between engine steps),
         within ``timeout_s``; fails the engine if it is dead, or if it does not answer in time
         and returned no step's outputs in the last half of that time (outputs still flowing
-        mean it is busy, not wedged).
+        mean it is busy, not wedged). While it waits, a core that vLLM reports exited fails
+        the engine at once, and ``stopping`` (the watch closing: the worker shuts down and
+        stops the engine itself) ends the wait with no verdict.
 
         The question is one the engine core answers itself (``is_sleeping``), not one it asks
         its model workers (``list_loras`` did): a worker woken by a request busy-polls its
@@ -306,10 +345,11 @@ class EngineHost:
 
         if self.engine.errored:
             self.fail("the engine core exited")
-        try:
-            self.run(ask(), timeout_s)
-        except TimeoutError:
+        answer = self.submit(ask())
+        waited = self._await_answer(answer, timeout_s, stopping)
+        if waited == "timed out":
             quiet_s = time.monotonic() - self._output_at
+            seen = _engine_processes_seen()
             if quiet_s < timeout_s / 2:
                 # Steps still return outputs: the loop and the core are working, the core
                 # only answered slowly (an overloaded host: CI saw it once with several
@@ -317,16 +357,43 @@ class EngineHost:
                 # by the first probe that times out half a timeout after its last output.
                 log.warning(
                     "the engine did not answer a health probe within %g s, but its last "
-                    "output came %.1f s ago: busy, not wedged",
+                    "output came %.1f s ago: busy, not wedged (%s)",
                     timeout_s,
                     quiet_s,
+                    seen,
                 )
                 return
+            log.error("engine probe unanswered; last output %.1f s ago; %s", quiet_s, seen)
             self.fail(
                 f"the engine did not answer a health probe within {timeout_s:g} s (its event "
                 "loop or its engine core is stuck)"
             )
         self._refuse_if_failed()
+
+    def _await_answer(
+        self, answer: Future[None], timeout_s: float, stopping: threading.Event | None
+    ) -> str:
+        """Wait for a probe's ``answer``: "answered", "timed out" (cancelled then), or
+        "stopped" (``stopping`` was set; cancelled). Looks every ``_PROBE_LOOK_S`` whether
+        vLLM reports the core exited, and fails the engine then (``EngineFailed``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.result(answer, min(_PROBE_LOOK_S, max(deadline - time.monotonic(), 0)))
+            except TimeoutError:
+                pass
+            else:
+                return "answered"
+            if self.engine.errored:
+                answer.cancel()
+                self.fail("the engine core process exited")
+                self._refuse_if_failed()
+            if stopping is not None and stopping.is_set():
+                answer.cancel()
+                return "stopped"
+            if time.monotonic() >= deadline:
+                answer.cancel()
+                return "timed out"
 
     def progressed(self) -> None:
         """The engine returned outputs of a step (``_Progress``, on the engine loop)."""

@@ -36,7 +36,7 @@ class EngineWatch(Background):
                 if self._host.engine.errored:
                     self._host.fail("the engine core process exited")
                 elif time.monotonic() >= next_probe:
-                    self._host.probe(self._probe_timeout_s)
+                    self._host.probe(self._probe_timeout_s, stopping)
                     next_probe = time.monotonic() + self._probe_s
             except EngineFailed:
                 return

@@ -84,24 +84,23 @@ def test_a_probe_unanswered_while_steps_return_outputs_leaves_the_engine_serving
         while not stop.wait(0.05):
             host.progressed()
 
-    unanswered = host.run
+    unanswered = host._await_answer
 
-    def run_with_a_step_at_the_end(coro: Any, timeout_s: float | None = None) -> Any:
-        try:
-            return unanswered(coro, timeout_s)
-        except TimeoutError:
+    def a_step_at_the_end(*args: Any) -> str:
+        waited = unanswered(*args)
+        if waited == "timed out":
             # A step returned outputs as the probe timed out, however late the stepping thread
             # was scheduled on a busy machine (it used to need one within the last second).
             host.progressed()
-            raise
+        return waited
 
     stepping = threading.Thread(target=steps)
     stepping.start()
-    host.run = run_with_a_step_at_the_end  # type: ignore[method-assign]
+    host._await_answer = a_step_at_the_end  # type: ignore[method-assign]
     try:
         host.probe(PROBE_S)  # slow, but outputs flow: busy, not wedged
     finally:
-        host.run = unanswered  # type: ignore[method-assign]
+        host._await_answer = unanswered  # type: ignore[method-assign]
         stop.set()
         stepping.join()
     assert host.failure is None
@@ -176,3 +175,78 @@ def test_the_progress_logger_is_called_as_vllm_calls_its_stat_loggers() -> None:
     )  # type: ignore[arg-type]
     adapter.log()
     assert host.steps == 1
+
+
+BOUND_S = 30.0
+"""How long the tests below wait for a probe that must give up at once; its own timeout is an
+hour, so a probe that waits it out fails them."""
+
+
+def _in_thread(call: Any) -> tuple[threading.Thread, list[BaseException | None]]:
+    """Run ``call`` on a thread; the list gets its exception (``None``: it returned)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # handed to the test
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_probe_waiting_on_a_core_that_exits_fails_the_engine_without_waiting_it_out(
+    host: EngineHost,
+) -> None:
+    """vLLM reports its core gone (``errored``) while a probe waits for an answer that will
+    never come: the probe fails the engine for what it is, a core that exited, and does not
+    wait out its timeout (a worker whose core died under it used to sit out the probe's 30 s
+    before the watch could see it)."""
+    asked = threading.Event()
+    core: Any = host._engine
+    original = core.is_sleeping
+
+    async def is_sleeping() -> bool:
+        asked.set()
+        return bool(await original())
+
+    core.is_sleeping = is_sleeping
+    thread, outcome = _in_thread(lambda: host.probe(3600))
+    assert asked.wait(BOUND_S)
+    core.errored = True
+    thread.join(BOUND_S)
+    assert not thread.is_alive(), "the probe waited for its timeout on an engine that exited"
+    assert isinstance(outcome[0], EngineFailed)
+    assert host.failure == "the engine core process exited"
+
+
+def test_closing_the_watch_while_a_probe_waits_neither_waits_it_out_nor_fails_the_engine(
+    host: EngineHost,
+) -> None:
+    """A worker shutting down closes its engine watch, then stops the engine. A probe left
+    waiting then (the core already stopping with the process group's signal) used to hold
+    ``close`` for the probe's whole timeout and end by failing the engine, logged critical,
+    in a worker that was only shutting down."""
+    from worker.watchdog import EngineWatch
+
+    asked = threading.Event()
+    core: Any = host._engine
+    original = core.is_sleeping
+
+    async def is_sleeping() -> bool:
+        asked.set()
+        return bool(await original())
+
+    core.is_sleeping = is_sleeping
+    watch = EngineWatch(host, check_s=0.05, probe_s=0.05, probe_timeout_s=3600)
+    watch.start()
+    assert asked.wait(BOUND_S)
+    thread, outcome = _in_thread(watch.close)
+    thread.join(BOUND_S)
+    assert not thread.is_alive(), "closing the watch waited for the probe's timeout"
+    assert outcome == [None]
+    assert host.failure is None
