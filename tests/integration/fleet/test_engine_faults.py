@@ -21,8 +21,11 @@ from tests.integration.fleet.conftest import (
 from tests.sentry_server import recording_sentry, sentry_events
 
 EXIT_ENGINE_FAILED = 75
-# Engine failure noticed within ~1 s (dead core) or 30 s (probe timeout), plus at most the
-# worker's 30 s bound to hand its jobs back and leave.
+PROBE_TIMEOUT_S = 30
+"""The probe timeout of the worker whose engine a test wedges (the production default; the
+fleet's other workers wait longer: ``FLEET_ENV``)."""
+# Engine failure noticed within ~1 s (dead core) or PROBE_TIMEOUT_S (wedged), plus at most
+# the worker's 30 s bound to hand its jobs back and leave.
 EXIT_BOUND_S = 90
 
 
@@ -101,7 +104,7 @@ def test_engine_core_killed_hands_every_job_to_another_worker(fleet: Fleet) -> N
 def test_wedged_engine_is_noticed_by_its_probe_and_its_jobs_run_elsewhere(fleet: Fleet) -> None:
     events = fleet.redis.pubsub(ignore_subscribe_messages=True)
     events.subscribe(JOB_EVENTS)
-    target = fleet.spawn_worker()
+    target = fleet.spawn_worker({"LORAFLEET_ENGINE_PROBE_TIMEOUT_S": str(PROBE_TIMEOUT_S)})
     target_id = fleet.stack.wait_worker(target)
     jobs = _jobs_on(fleet, target, 8)
     core = engine_core(target)
