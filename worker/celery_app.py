@@ -83,12 +83,11 @@ app.conf.update(
     worker_hijack_root_logger=False,
 )
 if settings.receive_batch > 1 and settings.effective_broker_url.startswith(("redis:", "rediss:")):
-    # Opt-in: kombu's Redis transport, receiving in batches (``worker.receive``): one script
-    # records a BRPOP's message and takes the queue's next few. The records it keeps are
-    # kombu's own, so whatever reads them (kombu's acks and restores, ``worker.reaper``) is
-    # unchanged. Off by default until the fleet fault test that failed with it is understood
-    # (README, "Delivery guarantees"). Plain Redis URLs only: a given transport overrides the
-    # URL's scheme, and ``sentinel://`` needs kombu's Sentinel transport.
+    # kombu's Redis transport, receiving in batches (``worker.receive``): one script records a
+    # BRPOP's message and takes the queue's next few. The records it keeps are kombu's own, so
+    # whatever reads them (kombu's acks and restores, ``worker.reaper``) is unchanged. Plain
+    # Redis URLs only: a given transport overrides the URL's scheme, and ``sentinel://``
+    # needs kombu's Sentinel transport (which then reads one message at a time).
     app.conf.broker_transport = "worker.receive:Transport"
     # Read by ``worker.receive``: how many jobs one receipt may take.
     app.conf.broker_transport_options["receive_batch"] = settings.receive_batch

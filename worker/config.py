@@ -157,12 +157,12 @@ class WorkerSettings(ServiceSettings):
         description="Jobs reserved per pool thread; 1 keeps a busy worker from hoarding a queue.",
     )
     receive_batch: int = Field(
-        default=1,
+        default=16,
         ge=1,
         le=1024,
         description="Jobs one receipt may take from a queue (within the free prefetch); above 1 "
         "the worker receives in batches (`worker/receive.py`): a burst of n costs one `BRPOP` "
-        "and one script instead of n of each. 1 (the default): one at a time, as kombu reads.",
+        "and one script instead of n of each. 1: one at a time, as kombu reads.",
     )
     drain_timeout_s: float = Field(
         default=120.0,

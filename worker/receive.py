@@ -23,7 +23,8 @@ it, where one at a time spreads it over the idle workers ``BRPOP``ing the queue;
 
 kombu's ``_brpop_read`` is replaced (``BatchedChannel``, written against kombu 5.7); with a
 ``global_keyprefix`` or a batch of 1 the channel reads as kombu does. The worker uses this
-transport only when ``LORAFLEET_RECEIVE_BATCH`` is above 1 (off by default: README).
+transport for ``redis://`` and ``rediss://`` brokers while ``LORAFLEET_RECEIVE_BATCH`` is
+above 1 (16 by default).
 """
 
 from __future__ import annotations
@@ -31,19 +32,21 @@ from __future__ import annotations
 import logging
 import time
 from queue import Empty
-from typing import Any
+from typing import Any, cast
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport.virtual import QoS as VirtualQoS
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
 
+from worker.config import WorkerSettings
+
 log = logging.getLogger(__name__)
 
-RECEIVE_BATCH = 16
+RECEIVE_BATCH = cast(int, WorkerSettings.model_fields["receive_batch"].default)
 """At most this many messages are taken from one list in one receipt (the ``BRPOP``'s and up to
-``RECEIVE_BATCH - 1`` more), unless the transport option ``receive_batch`` says otherwise
-(``LORAFLEET_RECEIVE_BATCH``)."""
+``RECEIVE_BATCH - 1`` more), unless the transport option ``receive_batch`` says otherwise (the
+worker always passes ``LORAFLEET_RECEIVE_BATCH``, whose default this is)."""
 
 RECEIVE = """
 -- KEYS[1] the list the BRPOP answered from, KEYS[2] kombu's unacked index, KEYS[3] its unacked

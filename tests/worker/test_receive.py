@@ -224,19 +224,21 @@ def _list(redis: Redis, queue: str) -> list[str]:
 @pytest.mark.parametrize(
     ("env", "transport"),
     [
-        ({}, None),
+        ({}, "worker.receive:Transport"),
         ({"LORAFLEET_RECEIVE_BATCH": "8"}, "worker.receive:Transport"),
+        ({"LORAFLEET_RECEIVE_BATCH": "1"}, None),
         (
             {"LORAFLEET_RECEIVE_BATCH": "8", "LORAFLEET_BROKER_URL": "sentinel://localhost:26379"},
             None,
         ),
     ],
 )
-def test_the_worker_uses_the_batched_transport_only_when_asked(
+def test_the_worker_receives_in_batches_by_default_on_plain_redis_brokers(
     env: dict[str, str], transport: str | None
 ) -> None:
-    """Off by default (kombu's own read, and no extra transport option); on above 1, for plain
-    Redis brokers only (a given transport would override a ``sentinel://`` URL's)."""
+    """On by default, at ``LORAFLEET_RECEIVE_BATCH`` (16 unless set), for plain Redis brokers
+    only (a given transport would override a ``sentinel://`` URL's); at 1 the worker reads as
+    kombu does, with kombu's own transport and no extra transport option."""
     probe = (
         "import json; from worker.celery_app import app; "
         "print(json.dumps([app.conf.broker_transport, "
@@ -249,4 +251,5 @@ def test_the_worker_uses_the_batched_transport_only_when_asked(
     assert done.returncode == 0, done.stderr
     chosen, batch = json.loads(done.stdout.strip().splitlines()[-1])
     assert chosen == transport
-    assert batch == (8 if transport else None)
+    expected = int(env.get("LORAFLEET_RECEIVE_BATCH", RECEIVE_BATCH))
+    assert batch == (expected if transport else None)
