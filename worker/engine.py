@@ -41,35 +41,45 @@ _PROBE_LOOK_S = 0.5
 """While a probe waits, how often it looks whether the core exited or the watch is closing."""
 
 
-def _engine_processes_seen(window_s: float = 1.0) -> str:
+def _engine_processes_seen(stopping: threading.Event | None, window_s: float = 1.0) -> str:
     """For the log of a probe that timed out: each process under this one (vLLM's engine core
-    and model workers) with its state and the share of a core it used over ``window_s``, and
-    the host's CPU and memory pressure (PSI, ``some avg10``). Tells a busy engine on a
-    starved or thrashing host from one that is stopped or waits on nothing."""
+    and model workers) with its state and the share of a core it used over ``window_s`` (cut
+    short if ``stopping`` is set), and the host's CPU, memory and IO pressure (PSI, first
+    line). Tells a busy engine on a starved or thrashing host from one that is stopped or
+    waits on nothing."""
+    parts = []
     try:
         children = psutil.Process().children(recursive=True)
         before = {}
         for child in children:
             with contextlib.suppress(psutil.Error):
                 before[child.pid] = sum(child.cpu_times()[:2])
-        time.sleep(window_s)
-        parts = []
+        started = time.monotonic()
+        if stopping is None:
+            time.sleep(window_s)
+        else:
+            stopping.wait(window_s)
+        window_s = max(time.monotonic() - started, 1e-3)
         for child in children:
+            if child.pid not in before:
+                continue
             with contextlib.suppress(psutil.Error):
-                used = sum(child.cpu_times()[:2]) - before.get(child.pid, 0.0)
+                used = sum(child.cpu_times()[:2]) - before[child.pid]
                 parts.append(
                     f"{child.name()} {child.pid} {child.status()} "
                     f"{100 * used / window_s:.0f}% of a core"
                 )
     except psutil.Error as exc:
-        parts = [f"processes unreadable ({exc})"]
+        parts.append(f"processes unreadable ({exc})")
+    if not parts:
+        parts.append("no engine process found")
     for resource in ("cpu", "memory", "io"):
         try:
             first = Path(f"/proc/pressure/{resource}").read_text().split("\n", 1)[0]
         except OSError:
             continue
         parts.append(f"{resource} pressure {first}")
-    return "; ".join(parts) or "no engine process found"
+    return "; ".join(parts)
 
 
 log = logging.getLogger(__name__)
@@ -344,12 +354,15 @@ class EngineHost:
             await self.engine.is_sleeping()
 
         if self.engine.errored:
-            self.fail("the engine core exited")
+            self.fail("the engine core process exited")
         answer = self.submit(ask())
         waited = self._await_answer(answer, timeout_s, stopping)
         if waited == "timed out":
             quiet_s = time.monotonic() - self._output_at
-            seen = _engine_processes_seen()
+            try:
+                seen = _engine_processes_seen(stopping)
+            except Exception as exc:  # a diagnostic: it must not keep the verdict from coming
+                seen = f"engine processes not read ({exc!r})"
             if quiet_s < timeout_s / 2:
                 # Steps still return outputs: the loop and the core are working, the core
                 # only answered slowly (an overloaded host: CI saw it once with several
@@ -384,14 +397,14 @@ class EngineHost:
                 pass
             else:
                 return "answered"
-            if self.engine.errored:
+            if self._engine is not None and self._engine.errored:
                 answer.cancel()
                 self.fail("the engine core process exited")
                 self._refuse_if_failed()
             if stopping is not None and stopping.is_set():
                 answer.cancel()
                 return "stopped"
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline and not answer.done():
                 answer.cancel()
                 return "timed out"
 

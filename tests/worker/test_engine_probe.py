@@ -65,8 +65,25 @@ def host() -> Iterator[EngineHost]:
 
 
 def test_a_probe_unanswered_while_no_step_returns_outputs_fails_the_engine(
-    host: EngineHost,
+    host: EngineHost, caplog: pytest.LogCaptureFixture
 ) -> None:
+    with pytest.raises(EngineFailed, match="did not answer a health probe"):
+        host.probe(PROBE_S)
+    assert host.failure is not None
+    # What the engine's processes and the host were doing is logged with the verdict.
+    assert any("engine probe unanswered" in r.getMessage() for r in caplog.records)
+
+
+def test_a_probe_whose_diagnostic_breaks_still_fails_a_wedged_engine(
+    host: EngineHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The processes and pressure read for the log are a diagnostic: whatever goes wrong in
+    it (an unreadable ``/proc`` file, say) must not keep the verdict from being given."""
+
+    def broken(*args: Any) -> str:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    monkeypatch.setattr("worker.engine._engine_processes_seen", broken)
     with pytest.raises(EngineFailed, match="did not answer a health probe"):
         host.probe(PROBE_S)
     assert host.failure is not None
