@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from urllib3.exceptions import HTTPError
 
 from contracts.digests import CHUNK_BYTES, DIGEST_PREFIX, FileEntry, Manifest, manifest_of
+from contracts.errors import ErrorCode
 from contracts.storage import blob_key, manifest_key
 from worker import metrics
 from worker.deadlines import CHECK_EVERY_S, late, passed, wait_slice
@@ -299,6 +300,7 @@ class AdapterCache:
         if self._touch(digest):
             return Fetched(self.path_for(digest), None, None, None)
         down_since: float | None = None
+        outage: StoreDown | None = None
         asked = 0
         while True:
             with self._cond:
@@ -316,6 +318,7 @@ class AdapterCache:
                 # An outage of the store is waited out while the job has time: a job's
                 # deadline (minutes) outlasts most, and failing it at once loses its run.
                 asked += 1
+                outage = down
                 down_since = down_since or time.monotonic()
                 exponential = min(STORE_RETRY_S * 2 ** (asked - 1), STORE_RETRY_MAX_S)
                 delay = exponential * random.uniform(0.5, 1.0)
@@ -327,6 +330,16 @@ class AdapterCache:
                     ) from down
                 log.warning("adapter %s: %s; asking again in %.1f s", digest, down, delay)
                 _pause(delay, check)
+            except JobFailure as failure:
+                if outage is None or failure.code != ErrorCode.DEADLINE_EXCEEDED:
+                    raise
+                # The deadline came during an ask, after the store had been found down: the
+                # same outage as when it comes during a pause between asks, and said the same.
+                raise StoreDown(
+                    f"{outage.message} (asked {asked} times over "
+                    f"{time.monotonic() - (down_since or 0):.1f} s; the job's deadline came "
+                    "during the next ask)"
+                ) from failure
         if started:
             return fetched
         # Another job's download: the files are verified, but this job did not time them.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -193,6 +194,34 @@ def test_a_store_outage_longer_than_the_deadline_fails_the_job_adapter_unavailab
     cache, digest = _cache_in_outage(infra, s3, tmp_path, proxy, "long-outage")
     with pytest.raises(AdapterUnavailableError) as caught:
         cache.ensure(digest, deadline_at=time.time() + 3)
+    assert caught.value.code == "adapter_unavailable"
+    assert "unreachable" in caught.value.message and "asked" in caught.value.message
+    assert not cache.has(digest) and _leftovers(tmp_path / "cache") == []
+
+
+def test_an_outage_whose_deadline_comes_during_an_ask_fails_adapter_unavailable(
+    infra: LocalStack, s3: Any, tmp_path: Path, proxy: TcpProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same outage fails the job the same way wherever its deadline falls: during a pause
+    between asks, or during an ask (CI saw the latter on a loaded machine, and the job failed
+    ``deadline_exceeded`` with no word of the store). Here the first ask is refused and the
+    next one hangs (a listener that accepts and never answers) past the deadline."""
+    cache, digest = _cache_in_outage(infra, s3, tmp_path, proxy, "hung-ask")
+    silent = socket.socket()
+    silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(cache.ensure, digest, time.time() + 8)
+            bound = time.monotonic() + 30
+            while not any("asking again" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < bound and not waiting.done(), "no refused ask"
+                time.sleep(0.01)
+            silent.bind(("127.0.0.1", proxy.port))
+            silent.listen(8)  # accepts; never answers
+            with pytest.raises(AdapterUnavailableError) as caught:
+                waiting.result(timeout=60)
+    finally:
+        silent.close()
     assert caught.value.code == "adapter_unavailable"
     assert "unreachable" in caught.value.message and "asked" in caught.value.message
     assert not cache.has(digest) and _leftovers(tmp_path / "cache") == []
