@@ -216,13 +216,8 @@ def _in_thread(call: Any) -> tuple[threading.Thread, list[BaseException | None]]
     return thread, outcome
 
 
-def test_a_probe_waiting_on_a_core_that_exits_fails_the_engine_without_waiting_it_out(
-    host: EngineHost,
-) -> None:
-    """vLLM reports its core gone (``errored``) while a probe waits for an answer that will
-    never come: the probe fails the engine for what it is, a core that exited, and does not
-    wait out its timeout (a worker whose core died under it used to sit out the probe's 30 s
-    before the watch could see it)."""
+def _noting_probes(host: EngineHost) -> threading.Event:
+    """An event set once a probe reaches the stand-in core (which still never answers)."""
     asked = threading.Event()
     core: Any = host._engine
     original = core.is_sleeping
@@ -232,8 +227,20 @@ def test_a_probe_waiting_on_a_core_that_exits_fails_the_engine_without_waiting_i
         return bool(await original())
 
     core.is_sleeping = is_sleeping
+    return asked
+
+
+def test_a_probe_waiting_on_a_core_that_exits_fails_the_engine_without_waiting_it_out(
+    host: EngineHost,
+) -> None:
+    """vLLM reports its core gone (``errored``) while a probe waits for an answer that will
+    never come: the probe fails the engine for what it is, a core that exited, and does not
+    wait out its timeout (a worker whose core died under it used to sit out the probe's 30 s
+    before the watch could see it)."""
+    asked = _noting_probes(host)
     thread, outcome = _in_thread(lambda: host.probe(3600))
     assert asked.wait(BOUND_S)
+    core: Any = host._engine
     core.errored = True
     thread.join(BOUND_S)
     assert not thread.is_alive(), "the probe waited for its timeout on an engine that exited"
@@ -250,15 +257,7 @@ def test_closing_the_watch_while_a_probe_waits_neither_waits_it_out_nor_fails_th
     in a worker that was only shutting down."""
     from worker.watchdog import EngineWatch
 
-    asked = threading.Event()
-    core: Any = host._engine
-    original = core.is_sleeping
-
-    async def is_sleeping() -> bool:
-        asked.set()
-        return bool(await original())
-
-    core.is_sleeping = is_sleeping
+    asked = _noting_probes(host)
     watch = EngineWatch(host, check_s=0.05, probe_s=0.05, probe_timeout_s=3600)
     watch.start()
     assert asked.wait(BOUND_S)
