@@ -31,6 +31,15 @@ from lorafleet.registry import Registry
 from lorafleet.stack import LocalStack
 
 
+def until(check: Callable[[], object], timeout_s: float = 10) -> None:
+    """Wait for ``check()`` to hold, polling; fail the test if it does not within ``timeout_s``
+    (a bound for a stalled machine, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
 def processes_with_env(marker: str) -> list[int]:
     """Pids whose environment contains ``marker`` (the test's unique state dir)."""
     found = []

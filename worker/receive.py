@@ -21,6 +21,16 @@ on per batch, not per message. And a small burst goes mostly to the first idle w
 it, where one at a time spreads it over the idle workers ``BRPOP``ing the queue;
 ``LORAFLEET_RECEIVE_BATCH=1`` reads as kombu does.
 
+Acks are batched too. kombu acks each job with a ``MULTI`` (``ZREM`` and ``HDEL`` of its
+record) from the job's own pool thread as it finishes; here an ack is handed to a writer thread
+that gathers the acks arriving within a few milliseconds (``ACK_COALESCE_S``) and removes all
+their records in one ``MULTI``. An ack written late is only a message that stays recorded a
+little longer: if the worker dies first, the visibility timeout (or the reaper, whose own record
+of the delivery is written the same way) hands it back, and the job's record makes the second
+delivery a no-op, as for any duplicate. Closing the channel writes the pending acks first, so
+a warm shutdown leaves none; acks Redis refuses for ``ACK_GIVE_UP_S`` are left to that same
+backstop rather than retried for ever.
+
 kombu's ``_brpop_read`` is replaced (``BatchedChannel``, written against kombu 5.7); with a
 ``global_keyprefix`` or a batch of 1 the channel reads as kombu does. The worker uses this
 transport for ``redis://`` and ``rediss://`` brokers while ``LORAFLEET_RECEIVE_BATCH`` is
@@ -30,7 +40,10 @@ above 1 (16 by default).
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
+from collections.abc import Callable
 from queue import Empty
 from typing import Any, cast
 
@@ -38,6 +51,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport.virtual import QoS as VirtualQoS
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
+from redis.exceptions import RedisError
 
 from worker.config import WorkerSettings
 
@@ -47,6 +61,14 @@ RECEIVE_BATCH = cast(int, WorkerSettings.model_fields["receive_batch"].default)
 """At most this many messages are taken from one list in one receipt (the ``BRPOP``'s and up to
 ``RECEIVE_BATCH - 1`` more), unless the transport option ``receive_batch`` says otherwise (the
 worker always passes ``LORAFLEET_RECEIVE_BATCH``, whose default this is)."""
+
+ACK_COALESCE_S = 0.005
+"""How long the ack writer gathers acks before it writes them (a job that finished is only
+recorded as unacknowledged that much longer)."""
+ACK_RETRY_S = 0.5
+ACK_GIVE_UP_S = 30.0
+"""Acks Redis refused this long are dropped: the visibility timeout returns their messages, as
+duplicates of finished jobs that a worker drops, as it would after a crash."""
 
 RECEIVE = """
 -- KEYS[1] the list the BRPOP answered from, KEYS[2] kombu's unacked index, KEYS[3] its unacked
@@ -85,13 +107,100 @@ def unacked_record(payload: dict[str, Any]) -> str:
     return str(dumps([payload, info["exchange"], info["routing_key"]]))
 
 
+class AckWriter:
+    """Acks written many to a round trip, on a thread of its own (started by the first ack)."""
+
+    def __init__(self, write: Callable[[list[str]], None]) -> None:
+        self._write = write
+        self._tags: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # None: wake, closing
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def put(self, tag: str) -> bool:
+        """Never blocks; False once closed (the caller then acks as kombu does)."""
+        with self._lock:
+            if self._stopping.is_set():
+                return False
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="acks", daemon=True)
+                self._thread.start()
+            self._tags.put(tag)
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is pending (one try if Redis refuses) and stop."""
+        with self._lock:
+            self._stopping.set()
+            thread = self._thread
+        if thread is not None:
+            self._tags.put(None)
+            thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        pending: list[str] = []
+        failing_since: float | None = None
+        while not (self._stopping.is_set() and not pending and self._tags.empty()):
+            if not pending:
+                first = self._tags.get()
+                if first is None:
+                    continue
+                pending.append(first)
+                # Jobs finish one by one: gathering for a moment makes one write of many.
+                self._stopping.wait(ACK_COALESCE_S)
+            while True:
+                try:
+                    tag = self._tags.get_nowait()
+                except queue.Empty:
+                    break
+                if tag is not None:
+                    pending.append(tag)
+            try:
+                self._write(pending)
+                pending, failing_since = [], None
+            except (RedisError, OSError) as exc:
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if self._stopping.is_set() or now - failing_since >= ACK_GIVE_UP_S:
+                    log.warning(
+                        "could not write %d acks (%s); the visibility timeout returns their "
+                        "messages, as duplicates of finished jobs",
+                        len(pending),
+                        exc,
+                    )
+                    pending, failing_since = [], None
+                else:
+                    log.warning("could not write %d acks (%s); retrying", len(pending), exc)
+                    self._stopping.wait(ACK_RETRY_S)
+            except Exception:
+                # Not an outage: retrying would fail alike; the visibility timeout covers them.
+                log.exception("%d acks could not be written; dropped", len(pending))
+                pending = []
+
+
 class BatchedQoS(kombu_redis.QoS):
     """kombu's QoS, except that a message the receipt script already recorded is only
-    remembered as delivered (no second ``MULTI``)."""
+    remembered as delivered (no second ``MULTI``), and acks are written in batches
+    (``AckWriter``) while the channel receives in batches."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.recorded: set[str] = set()
+        self.acks = AckWriter(self._write_acks)
+
+    def ack(self, delivery_tag: str) -> None:
+        channel = self.channel
+        batched = isinstance(channel, BatchedChannel) and not channel._kombus_read()
+        if batched and self.acks.put(delivery_tag):
+            VirtualQoS.ack(self, delivery_tag)
+        else:
+            super().ack(delivery_tag)
+
+    def _write_acks(self, tags: list[str]) -> None:
+        """One ``MULTI`` removing the records of all ``tags`` (kombu's ack, for many)."""
+        with self.channel.conn_or_acquire() as client:
+            pipe = client.pipeline()
+            pipe.zrem(self.unacked_index_key, *tags).hdel(self.unacked_key, *tags).execute()
 
     def append(self, message: Any, delivery_tag: str) -> None:
         if delivery_tag in self.recorded:
@@ -117,6 +226,13 @@ class BatchedChannel(kombu_redis.Channel):
         if no_ack:
             self._no_ack_queues.add(queue)
         return super().basic_consume(queue, no_ack, *args, **kwargs)
+
+    def close(self) -> None:
+        # The pending acks first: kombu then restores what was delivered and not acked.
+        qos = self._qos
+        if isinstance(qos, BatchedQoS):
+            qos.acks.close()
+        super().close()
 
     def _kombus_read(self) -> bool:
         return bool(
@@ -148,7 +264,7 @@ class BatchedChannel(kombu_redis.Channel):
             # channel closing): take nothing more than kombu would.
             wanted = dest in self.connection._callbacks and not self._closing
             taken = self._record_and_take(key, payload, tag, wanted)
-            self._hand_over(payload, [tag, *(t for t, _ in taken)], taken, dest)
+            self._hand_over(payload, tag, taken, dest)
             return True
         finally:
             self._in_poll = None  # type: ignore[assignment]
@@ -180,13 +296,14 @@ class BatchedChannel(kombu_redis.Channel):
         return taken
 
     def _hand_over(
-        self, payload: dict[str, Any], tags: list[str], taken: list[tuple[str, Any]], dest: str
+        self, payload: dict[str, Any], tag: str, taken: list[tuple[str, Any]], dest: str
     ) -> None:
-        """Hand the messages of one read (their delivery ``tags``, the ``BRPOP``'s first) to
-        their consumer. Whatever was recorded and not handed
-        over (the consumer or a message's decoding failed half-way) goes back to the head of
-        its queue at once: recorded but undelivered, it would otherwise wait for the
-        visibility timeout (neither the restore at shutdown nor a reaper knows it)."""
+        """Hand the messages of one read (the ``BRPOP``'s, delivery tag ``tag``, then those
+        ``taken``) to their consumer. Whatever was recorded and not handed over (the consumer
+        or a message's decoding failed half-way) goes back to the head of its queue at once:
+        recorded but undelivered, it would otherwise wait for the visibility timeout (neither
+        the restore at shutdown nor a reaper knows it)."""
+        tags = [tag, *(t for t, _ in taken)]
         try:
             self.connection._deliver(payload, dest)
             for _, raw in taken:

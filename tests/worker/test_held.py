@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 
 from redis import Redis
 
 from contracts.keys import held_key
+from tests.helpers import until
 from worker.held import HeldDeliveries
-
-
-def _until(check: object, timeout_s: float = 10) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
 
 
 def test_received_then_finished_is_written_in_order(redis: Redis) -> None:
@@ -27,7 +20,7 @@ def test_received_then_finished_is_written_in_order(redis: Redis) -> None:
             held.received(f"tag-{n}", f"task-{n}")
         for n in range(0, 50, 2):
             held.finished(f"tag-{n}")
-        _until(lambda: redis.hlen(held_key(worker)) == 25)
+        until(lambda: redis.hlen(held_key(worker)) == 25)
         assert redis.hget(held_key(worker), "tag-1") == "task-1"
         assert redis.hget(held_key(worker), "tag-0") is None
         # A job received and finished at once leaves nothing behind, whatever the batching.

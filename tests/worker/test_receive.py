@@ -5,9 +5,11 @@ prefetch, records each message as kombu itself would, and whatever reads kombu's
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -15,9 +17,12 @@ import pytest
 from kombu import Connection, Consumer, Queue
 from kombu.message import Message
 from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from contracts.task_messages import task_message
 from tests.conftest import LocalStack
+from tests.helpers import until
+from worker import receive
 from worker.receive import RECEIVE_BATCH, Transport
 
 UNACKED, UNACKED_INDEX = "unacked", "unacked_index"
@@ -84,6 +89,14 @@ def _tag(raw: str) -> str:
     return str(json.loads(raw)["properties"]["delivery_tag"])
 
 
+def _recorded(redis: Redis, raw: str) -> bool:
+    """Whether kombu's records (hash and index) still hold the message as unacknowledged."""
+    tag = _tag(raw)
+    in_hash, in_index = redis.hexists(UNACKED, tag), redis.zscore(UNACKED_INDEX, tag) is not None
+    assert in_hash == in_index, "the two records disagree"
+    return bool(in_hash)
+
+
 def test_one_read_takes_the_free_prefetch_and_records_each_as_kombu_does(
     infra: LocalStack, redis: Redis, queue: str
 ) -> None:
@@ -99,11 +112,12 @@ def test_one_read_takes_the_free_prefetch_and_records_each_as_kombu_does(
             assert record is not None
             assert json.loads(record) == [json.loads(raw), "", queue]
             assert redis.zscore(UNACKED_INDEX, _tag(raw)) is not None
-        # kombu's ack removes them (and the QoS knows they were delivered).
+        # An ack removes them (written by the ack writer, a moment later), and the QoS knows
+        # they are no longer delivered at once.
         got[0].ack()
         got[1].ack()
-        assert redis.hget(UNACKED, _tag(raws[0])) is None
-        assert redis.zscore(UNACKED_INDEX, _tag(raws[1])) is None
+        until(lambda: redis.hget(UNACKED, _tag(raws[0])) is None)
+        until(lambda: redis.zscore(UNACKED_INDEX, _tag(raws[1])) is None)
         assert redis.hget(UNACKED, _tag(raws[2])) is not None
         # Two places free again: the next read takes two, not more.
         before = len(got)
@@ -253,3 +267,101 @@ def test_the_worker_receives_in_batches_by_default_on_plain_redis_brokers(
     assert chosen == transport
     expected = int(env.get("LORAFLEET_RECEIVE_BATCH", RECEIVE_BATCH))
     assert batch == (expected if transport else None)
+
+
+def test_acks_that_arrive_while_a_write_is_out_share_the_next_write(
+    infra: LocalStack, redis: Redis, queue: str
+) -> None:
+    """Acks are gathered: eight acks made while the first write is held take at most two
+    writes (one round trip each) instead of eight, and every record goes."""
+    raws = _push(redis, queue, 8)
+    connection, got = _one_read(infra.redis_url, queue, prefetch=8)
+    try:
+        assert len(got) == 8
+        acks = got[0].channel.qos.acks
+        write, writes, held = acks._write, [], threading.Event()
+
+        def held_write(tags: list[str]) -> None:
+            writes.append(list(tags))
+            assert held.wait(10)
+            write(tags)
+
+        acks._write = held_write
+        for message in got:
+            message.ack()
+        held.set()
+        until(lambda: not any(_recorded(redis, r) for r in raws))
+        assert 1 <= len(writes) <= 2
+        assert sorted(t for w in writes for t in w) == sorted(map(_tag, raws))
+    finally:
+        connection.close()
+
+
+def test_closing_the_channel_writes_its_pending_acks_and_restores_only_the_rest(
+    infra: LocalStack, redis: Redis, queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A warm shutdown leaves nothing acknowledged on record: closing writes the pending acks,
+    then kombu puts back what was delivered and not acknowledged."""
+    monkeypatch.setattr(receive, "ACK_COALESCE_S", 3600.0)  # only the close writes them
+    raws = _push(redis, queue, 5)
+    connection, got = _one_read(infra.redis_url, queue, prefetch=5)
+    for message in got[:3]:
+        message.ack()
+    assert all(_recorded(redis, r) for r in raws)  # pending, not written yet
+    connection.close()
+    assert not any(_recorded(redis, r) for r in raws)
+    assert sorted(_tag(r) for r in _list(redis, queue)) == sorted(_tag(r) for r in raws[3:])
+
+
+@pytest.mark.parametrize("gives_up", [False, True])
+def test_acks_redis_refuses_are_retried_for_a_while_then_left_to_the_visibility_timeout(
+    infra: LocalStack,
+    redis: Redis,
+    queue: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    gives_up: bool,
+) -> None:
+    monkeypatch.setattr(receive, "ACK_RETRY_S", 0.01)
+    monkeypatch.setattr(receive, "ACK_GIVE_UP_S", 0.0 if gives_up else 3600.0)
+    raws = _push(redis, queue, 3)
+    connection, got = _one_read(infra.redis_url, queue, prefetch=3)
+    try:
+        acks = got[0].channel.qos.acks
+        write, tries = acks._write, []
+
+        def refused_once(tags: list[str]) -> None:
+            tries.append(list(tags))
+            if len(tries) == 1:
+                raise RedisConnectionError("Redis went away")
+            write(tags)
+
+        acks._write = refused_once
+        with caplog.at_level(logging.WARNING, logger="worker.receive"):
+            got[0].ack()
+            if gives_up:
+                until(lambda: "the visibility timeout returns" in caplog.text)
+                assert _recorded(redis, raws[0])  # left for the visibility timeout
+            else:
+                until(lambda: not _recorded(redis, raws[0]))
+                assert "retrying" in caplog.text
+                assert tries[1] == tries[0] == [_tag(raws[0])]
+        # The writer lives on: the next ack is written.
+        got[1].ack()
+        until(lambda: not _recorded(redis, raws[1]))
+        assert _recorded(redis, raws[2])
+    finally:
+        connection.close()
+
+
+def test_one_at_a_time_acks_as_kombu_does(infra: LocalStack, redis: Redis, queue: str) -> None:
+    """``LORAFLEET_RECEIVE_BATCH=1``: the ack is kombu's own ``MULTI``, written before it
+    returns; no ack writer is started."""
+    raws = _push(redis, queue, 1)
+    connection, got = _one_read(infra.redis_url, queue, prefetch=1, options={"receive_batch": 1})
+    try:
+        got[0].ack()
+        assert not _recorded(redis, raws[0])
+        assert got[0].channel.qos.acks._thread is None
+    finally:
+        connection.close()
