@@ -26,7 +26,7 @@ the serving path, not a tenant's quota; the gateway's Redis bound is left as shi
 
     .venv/bin/python benchmarks/vs_vllm_serve.py [--rounds 2] [--requests 256]
         [--single-requests 64] [--short-requests 50] [--concurrency 1 64 256]
-        [--json results.json]
+        [--vllm-placement as-shipped|colocated] [--json results.json]
 
 CPU: everything shares this machine's cores, so each scenario prints the CPU seconds of every
 process. vLLM: ``api server`` (the ``vllm serve`` process: HTTP, tokenizing, detokenizing) and
@@ -35,7 +35,11 @@ process. vLLM: ``api server`` (the ``vllm serve`` process: HTTP, tokenizing, det
 model worker), ``redis``, ``webhooks``, ``s3``. Both: ``client`` (this process) and ``rest of
 machine`` (everything else that ran meanwhile: other work on the box makes a run noisy).
 lorafleet's worker binds its engine core to the model worker's core
-(``LORAFLEET_COLOCATE_ENGINE_CORE``); ``vllm serve`` leaves its engine core unbound.
+(``LORAFLEET_COLOCATE_ENGINE_CORE``, on in the local stack); ``vllm serve`` leaves its engine
+core unbound, free to use the core its API server and lorafleet's control plane use.
+``--vllm-placement colocated`` binds ``vllm serve``'s engine processes the way lorafleet's worker
+binds its own (``worker.engine.colocate_children``, once the server answers), so that both
+engines run on the same cores and the rest of the machine is each server's own.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ ADMISSION = {  # far more than any scenario sends
     **{f"LORAFLEET_MAX_ADMITTED_{tier.name}": "100000" for tier in Tier},
 }
 VLLM = "vLLM serve"
+COLOCATED = "colocated"
 LORAFLEET = "lorafleet"
 
 
@@ -127,10 +132,11 @@ def _healthy(url: str) -> bool:
 
 @contextlib.contextmanager
 def vllm_serve(
-    model: Path, adapters: dict[str, Path], log_dir: Path, console: Console
+    model: Path, adapters: dict[str, Path], log_dir: Path, console: Console, colocated: bool
 ) -> Iterator[Server]:
     """``vllm serve`` with the worker's engine settings, in a process group of its own that
-    is stopped on exit (and sent SIGTERM if this process dies first)."""
+    is stopped on exit (and sent SIGTERM if this process dies first); ``colocated``: its
+    engine core bound to its model worker's cores, as lorafleet's worker binds its own."""
     port = free_port()
     engine = engine_settings()
     argv = [
@@ -148,6 +154,11 @@ def vllm_serve(
         if taken:
             args = re.sub(r"'lora_modules': \[.*?\], ", "", taken.group(1))
             console.print(f"{VLLM}: non-default args {args}", markup=False)
+        if colocated:
+            from worker.engine import colocate_children
+
+            cores = colocate_children(psutil.Process(child.pid))
+            console.print(f"{VLLM}: engine processes bound to cores {cores}", markup=False)
         yield Server(VLLM, url, {}, {"api server": child.pid, "client": os.getpid()})
     finally:
         child.stop(timeout_s=60)
@@ -435,6 +446,13 @@ def main() -> None:
     )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--timeout-s", type=float, default=600.0, help="bound on one request")
+    parser.add_argument(
+        "--vllm-placement",
+        choices=["as-shipped", COLOCATED],
+        default="as-shipped",
+        help="where vllm serve's engine core runs: where vLLM puts it, or bound to its model "
+        "worker's cores as lorafleet's worker binds its own",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     console = Console(width=170)  # the tables stay readable in a log file
@@ -463,7 +481,9 @@ def main() -> None:
                 label = f"round {round_}/{args.rounds} {name}"
                 console.print(f"{label}: starting", markup=False)
                 starting = (
-                    vllm_serve(model, adapters, scratch / "logs", console)
+                    vllm_serve(
+                        model, adapters, scratch / "logs", console, args.vllm_placement == COLOCATED
+                    )
                     if name == VLLM
                     else lorafleet_stack(model, adapters, scratch / f"stack-{round_}")
                 )

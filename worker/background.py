@@ -1,14 +1,19 @@
-"""A daemon thread that runs until its owner closes it."""
+"""Daemon threads that run until their owner closes them."""
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
+import time
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Background:
@@ -53,3 +58,115 @@ class Periodic(Background):
                 log.warning("%s failed (%s); retrying", self._thread.name, exc)
             except Exception:
                 log.exception("%s failed", self._thread.name)
+
+
+class _Wake:
+    """Queued by ``close`` to wake a writer waiting for an item."""
+
+
+_WAKE = _Wake()
+
+
+class CoalescingWriter(Generic[T]):
+    """Items put from any thread (never blocking), written in batches by a thread of its own.
+
+    The first item of a batch waits ``coalesce_s`` for company; then everything queued goes to
+    one ``write(items)``, in order. A write Redis refuses (``RedisError`` other than an error
+    reply, ``OSError``) is kept and retried every ``retry_s``, with what arrived meanwhile,
+    until ``give_up_s`` has passed or the writer closes; then the batch is dropped with a
+    warning naming ``dropped`` (what covers for it). Any other error drops the batch at once:
+    retrying would fail alike. The thread starts with ``start`` or the first ``put``; ``close``
+    writes what is queued (one more try if Redis refuses, bounded by ``timeout_s``) and stops.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        write: Callable[[list[T]], object],
+        *,
+        coalesce_s: float,
+        retry_s: float,
+        give_up_s: float,
+        dropped: str,
+    ) -> None:
+        self.name = name
+        self._write = write
+        self._coalesce_s, self._retry_s, self._give_up_s = coalesce_s, retry_s, give_up_s
+        self._dropped = dropped
+        self._items: queue.SimpleQueue[T | _Wake] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
+        if self._thread is None and not self._stopping.is_set():
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+
+    def put(self, item: T) -> bool:
+        """Queue ``item``; False once closed (nothing will write it)."""
+        with self._lock:
+            if self._stopping.is_set():
+                return False
+            self._start()
+            self._items.put(item)
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._lock:
+            self._stopping.set()
+            thread = self._thread
+        if thread is not None:
+            self._items.put(_WAKE)
+            thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        pending: list[T] = []
+        failing_since: float | None = None
+        while not (self._stopping.is_set() and not pending and self._items.empty()):
+            if not pending:
+                first = self._items.get()
+                if isinstance(first, _Wake):
+                    continue
+                pending.append(first)
+                self._stopping.wait(self._coalesce_s)
+            while True:
+                try:
+                    item = self._items.get_nowait()
+                except queue.Empty:
+                    break
+                if not isinstance(item, _Wake):
+                    pending.append(item)
+            try:
+                self._write(pending)
+            except ResponseError:
+                log.exception(
+                    "%s: %d refused by Redis; dropped (%s)", self.name, len(pending), self._dropped
+                )
+            except (RedisError, OSError) as exc:
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                    log.warning("%s: Redis unreachable (%s); retrying", self.name, exc)
+                if not self._stopping.is_set() and now - failing_since < self._give_up_s:
+                    self._stopping.wait(self._retry_s)
+                    continue
+                log.warning(
+                    "%s: %d not written (%s); dropped (%s)",
+                    self.name,
+                    len(pending),
+                    exc,
+                    self._dropped,
+                )
+            except Exception:
+                log.exception(
+                    "%s: %d could not be written; dropped (%s)",
+                    self.name,
+                    len(pending),
+                    self._dropped,
+                )
+            pending, failing_since = [], None

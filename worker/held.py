@@ -13,32 +13,34 @@ visibility timeout.
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
-import time
-
 from redis import Redis
-from redis.exceptions import RedisError
 
 from contracts.keys import held_key
-from worker.background import Background
-
-log = logging.getLogger(__name__)
+from worker.background import CoalescingWriter
 
 _HOLD, _RELEASE = "hold", "release"
 RETRY_S = 0.5
 COALESCE_S = 0.005
 """How long the writer gathers deliveries before it writes them (the visibility timeout covers
-a worker that dies meanwhile, as it covers the moment before any write)."""
+a worker that dies meanwhile, as it covers the moment before any write). Under load
+deliveries arrive one by one: gathering for a moment makes one write of many (a write per
+delivery cost ~0.4 ms of CPU per job)."""
 
 
 class HeldDeliveries:
     def __init__(self, redis: Redis, worker_id: str) -> None:
         self._redis = redis
         self._key = held_key(worker_id)
-        self._ops: queue.SimpleQueue[tuple[str, str, str]] = queue.SimpleQueue()
-        self._writer = Background("held-deliveries", self._run, join_timeout_s=5)
+        # Kept in order and retried while Redis is away (the visibility timeout covers the
+        # meantime); dropped only at shutdown, or if Redis refuses them as written.
+        self._writer: CoalescingWriter[tuple[str, str, str]] = CoalescingWriter(
+            "held-deliveries",
+            self._write,
+            coalesce_s=COALESCE_S,
+            retry_s=RETRY_S,
+            give_up_s=float("inf"),
+            dropped="Redis's visibility timeout still restores a delivery this worker dies holding",
+        )
 
     def start(self) -> None:
         self._writer.start()
@@ -48,44 +50,14 @@ class HeldDeliveries:
 
     def received(self, delivery_tag: str, task_id: str) -> None:
         """Called on the consumer thread as a message arrives: never blocks."""
-        self._ops.put((_HOLD, delivery_tag, task_id))
+        self._writer.put((_HOLD, delivery_tag, task_id))
 
     def finished(self, delivery_tag: str) -> None:
         """The outcome is stored (or the delivery handed back): nothing left to restore.
 
         By delivery, not by job: a duplicate delivery of a job this worker also runs stays
         recorded until it, too, is finished."""
-        self._ops.put((_RELEASE, delivery_tag, ""))
-
-    def _run(self, stopping: threading.Event) -> None:
-        pending: list[tuple[str, str, str]] = []
-        while not (stopping.is_set() and not pending and self._ops.empty()):
-            if not pending:
-                try:
-                    pending.append(self._ops.get(timeout=0.2))
-                except queue.Empty:
-                    continue
-                # Under load deliveries arrive one by one: gathering for a moment makes one
-                # write of many (a write per delivery cost ~0.4 ms of CPU per job).
-                time.sleep(COALESCE_S)
-            while True:
-                try:
-                    pending.append(self._ops.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                self._write(pending)
-                pending = []
-            except (RedisError, OSError) as exc:
-                # Kept in order and retried: the visibility timeout covers the meantime.
-                log.warning("could not record held deliveries (%s); retrying", exc)
-                if stopping.wait(RETRY_S):
-                    return
-            except Exception:
-                # Not an outage: retrying would fail alike. Dropped (Redis's visibility
-                # timeout still restores a delivery this worker dies holding); the thread lives.
-                log.exception("held deliveries could not be recorded; dropped")
-                pending = []
+        self._writer.put((_RELEASE, delivery_tag, ""))
 
     def _write(self, ops: list[tuple[str, str, str]]) -> None:
         pipe = self._redis.pipeline(transaction=False)

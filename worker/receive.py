@@ -24,12 +24,14 @@ it, where one at a time spreads it over the idle workers ``BRPOP``ing the queue;
 Acks are batched too. kombu acks each job with a ``MULTI`` (``ZREM`` and ``HDEL`` of its
 record) from the job's own pool thread as it finishes; here an ack is handed to a writer thread
 that gathers the acks arriving within a few milliseconds (``ACK_COALESCE_S``) and removes all
-their records in one ``MULTI``. An ack written late is only a message that stays recorded a
-little longer: if the worker dies first, the visibility timeout (or the reaper, whose own record
-of the delivery is written the same way) hands it back, and the job's record makes the second
-delivery a no-op, as for any duplicate. Closing the channel writes the pending acks first, so
-a warm shutdown leaves none; acks Redis refuses for ``ACK_GIVE_UP_S`` are left to that same
-backstop rather than retried for ever.
+their records in one ``MULTI`` (``worker.background.CoalescingWriter``). An ack written late is
+only a message that stays recorded a little longer: if the worker dies first, the visibility
+timeout hands it back (the reaper only if the worker's own record of the delivery, released
+just before the ack, was not written either), and the job's record makes the second delivery
+a no-op, as for any duplicate. Closing the channel writes the pending acks first (one more
+try if Redis refuses, at most 5 s) before kombu puts back what was received and not
+acknowledged; acks Redis could not take for ``ACK_GIVE_UP_S``, or at that last try, are left
+to the visibility timeout rather than retried for ever.
 
 kombu's ``_brpop_read`` is replaced (``BatchedChannel``, written against kombu 5.7); with a
 ``global_keyprefix`` or a batch of 1 the channel reads as kombu does. The worker uses this
@@ -40,10 +42,7 @@ above 1 (16 by default).
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable
 from queue import Empty
 from typing import Any, cast
 
@@ -51,8 +50,8 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport.virtual import QoS as VirtualQoS
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps, loads
-from redis.exceptions import RedisError
 
+from worker.background import CoalescingWriter
 from worker.config import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -66,9 +65,11 @@ ACK_COALESCE_S = 0.005
 """How long the ack writer gathers acks before it writes them (a job that finished is only
 recorded as unacknowledged that much longer)."""
 ACK_RETRY_S = 0.5
+"""How often acks Redis could not take are tried again."""
 ACK_GIVE_UP_S = 30.0
-"""Acks Redis refused this long are dropped: the visibility timeout returns their messages, as
-duplicates of finished jobs that a worker drops, as it would after a crash."""
+"""Acks Redis could not take for this long are dropped: the visibility timeout returns their
+messages, as duplicates of deliveries this worker is done with (a finished job's record makes
+its duplicate a no-op), as it would after a crash."""
 
 RECEIVE = """
 -- KEYS[1] the list the BRPOP answered from, KEYS[2] kombu's unacked index, KEYS[3] its unacked
@@ -107,91 +108,26 @@ def unacked_record(payload: dict[str, Any]) -> str:
     return str(dumps([payload, info["exchange"], info["routing_key"]]))
 
 
-class AckWriter:
-    """Acks written many to a round trip, on a thread of its own (started by the first ack)."""
-
-    def __init__(self, write: Callable[[list[str]], None]) -> None:
-        self._write = write
-        self._tags: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # None: wake, closing
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def put(self, tag: str) -> bool:
-        """Never blocks; False once closed (the caller then acks as kombu does)."""
-        with self._lock:
-            if self._stopping.is_set():
-                return False
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="acks", daemon=True)
-                self._thread.start()
-            self._tags.put(tag)
-        return True
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Write what is pending (one try if Redis refuses) and stop."""
-        with self._lock:
-            self._stopping.set()
-            thread = self._thread
-        if thread is not None:
-            self._tags.put(None)
-            thread.join(timeout=timeout_s)
-
-    def _run(self) -> None:
-        pending: list[str] = []
-        failing_since: float | None = None
-        while not (self._stopping.is_set() and not pending and self._tags.empty()):
-            if not pending:
-                first = self._tags.get()
-                if first is None:
-                    continue
-                pending.append(first)
-                # Jobs finish one by one: gathering for a moment makes one write of many.
-                self._stopping.wait(ACK_COALESCE_S)
-            while True:
-                try:
-                    tag = self._tags.get_nowait()
-                except queue.Empty:
-                    break
-                if tag is not None:
-                    pending.append(tag)
-            try:
-                self._write(pending)
-                pending, failing_since = [], None
-            except (RedisError, OSError) as exc:
-                now = time.monotonic()
-                failing_since = now if failing_since is None else failing_since
-                if self._stopping.is_set() or now - failing_since >= ACK_GIVE_UP_S:
-                    log.warning(
-                        "could not write %d acks (%s); the visibility timeout returns their "
-                        "messages, as duplicates of finished jobs",
-                        len(pending),
-                        exc,
-                    )
-                    pending, failing_since = [], None
-                else:
-                    log.warning("could not write %d acks (%s); retrying", len(pending), exc)
-                    self._stopping.wait(ACK_RETRY_S)
-            except Exception:
-                # Not an outage: retrying would fail alike; the visibility timeout covers them.
-                log.exception("%d acks could not be written; dropped", len(pending))
-                pending = []
-
-
 class BatchedQoS(kombu_redis.QoS):
     """kombu's QoS, except that a message the receipt script already recorded is only
-    remembered as delivered (no second ``MULTI``), and acks are written in batches
-    (``AckWriter``) while the channel receives in batches."""
+    remembered as delivered (no second ``MULTI``), and acks are written in batches (a
+    ``CoalescingWriter``) while the channel receives in batches."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.recorded: set[str] = set()
-        self.acks = AckWriter(self._write_acks)
+        self.acks: CoalescingWriter[str] = CoalescingWriter(
+            f"acks-{id(self):x}",
+            self._write_acks,
+            coalesce_s=ACK_COALESCE_S,
+            retry_s=ACK_RETRY_S,
+            give_up_s=ACK_GIVE_UP_S,
+            dropped="their messages stay recorded until the visibility timeout returns them, "
+            "as duplicates of deliveries this worker is done with",
+        )
 
     def ack(self, delivery_tag: str) -> None:
-        channel = self.channel
-        batched = isinstance(channel, BatchedChannel) and not channel._kombus_read()
-        if batched and self.acks.put(delivery_tag):
+        if not self.channel._kombus_read() and self.acks.put(delivery_tag):
             VirtualQoS.ack(self, delivery_tag)
         else:
             super().ack(delivery_tag)
@@ -310,13 +246,13 @@ class BatchedChannel(kombu_redis.Channel):
                 self.connection._deliver(loads(bytes_to_str(raw)), dest)
         finally:
             # Newest first: each goes back to the end the queue is read from.
-            for tag in reversed(tags):
-                if tag in self.qos.recorded:
-                    self.qos.recorded.discard(tag)
+            for back in reversed(tags):
+                if back in self.qos.recorded:
+                    self.qos.recorded.discard(back)
                     try:
-                        self.qos.restore_by_tag(tag)
+                        self.qos.restore_by_tag(back)
                     except Exception:
-                        log.warning("could not hand delivery %s back; its record stays", tag)
+                        log.warning("could not hand delivery %s back; its record stays", back)
 
 
 class Transport(kombu_redis.Transport):
