@@ -9,11 +9,26 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from redis.exceptions import RedisError, ResponseError
+from redis import exceptions as redis_errors
+from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+OUTAGE = (
+    redis_errors.ConnectionError,  # BusyLoadingError too
+    redis_errors.TimeoutError,
+    OSError,
+    redis_errors.ReadOnlyError,  # a replica behind the same address, or a failover under way
+    redis_errors.TryAgainError,
+    redis_errors.ClusterDownError,
+    redis_errors.OutOfMemoryError,
+)
+"""Errors after which the same write may succeed later: Redis away, or unable to take writes
+for now. Any other error reply or client-side error would fail the same write again."""
+OUTAGE_LOG_S = 60.0
+"""While an outage lasts, a writer says so this often (and once when it writes again)."""
 
 
 class Background:
@@ -71,12 +86,14 @@ class CoalescingWriter(Generic[T]):
     """Items put from any thread (never blocking), written in batches by a thread of its own.
 
     The first item of a batch waits ``coalesce_s`` for company; then everything queued goes to
-    one ``write(items)``, in order. A write Redis refuses (``RedisError`` other than an error
-    reply, ``OSError``) is kept and retried every ``retry_s``, with what arrived meanwhile,
-    until ``give_up_s`` has passed or the writer closes; then the batch is dropped with a
-    warning naming ``dropped`` (what covers for it). Any other error drops the batch at once:
-    retrying would fail alike. The thread starts with ``start`` or the first ``put``; ``close``
-    writes what is queued (one more try if Redis refuses, bounded by ``timeout_s``) and stops.
+    one ``write(items)``, in order. ``write`` must be safe to send again, whole, after a
+    failure that applied part of it. A write that failed because Redis is away or cannot take
+    writes for now (``OUTAGE``) is kept and retried every ``retry_s``, with what arrived
+    meanwhile, until ``give_up_s`` has passed or the writer closes; then the batch is dropped
+    with a warning naming ``dropped`` (what covers for it). Any other error (an error reply,
+    a client-side error) drops the batch at once: retrying would fail alike. The thread starts
+    with ``start`` or the first ``put``; ``close`` writes what is queued (one more try if Redis
+    is away) within ``timeout_s``, and nothing is written after that.
     """
 
     def __init__(
@@ -96,6 +113,7 @@ class CoalescingWriter(Generic[T]):
         self._items: queue.SimpleQueue[T | _Wake] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._abandoned = False
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -116,17 +134,37 @@ class CoalescingWriter(Generic[T]):
             self._items.put(item)
         return True
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Whether everything queued was written or dropped in time; if not, the writer
+        abandons the rest (a write already sent may still land)."""
         with self._lock:
             self._stopping.set()
             thread = self._thread
-        if thread is not None:
-            self._items.put(_WAKE)
-            thread.join(timeout=timeout_s)
+        if thread is None:
+            return True
+        self._items.put(_WAKE)
+        thread.join(timeout=timeout_s)
+        if thread.is_alive():
+            self._abandoned = True
+            log.warning(
+                "%s: not done %g s after close; the rest is abandoned", self.name, timeout_s
+            )
+            return False
+        return True
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            log.exception("%s: the writer stopped", self.name)
+            raise
+        finally:
+            self._stopping.set()  # ``put`` refuses from now on: its callers fall back
+
+    def _loop(self) -> None:
         pending: list[T] = []
         failing_since: float | None = None
+        told_at = 0.0
         while not (self._stopping.is_set() and not pending and self._items.empty()):
             if not pending:
                 first = self._items.get()
@@ -141,18 +179,24 @@ class CoalescingWriter(Generic[T]):
                     break
                 if not isinstance(item, _Wake):
                     pending.append(item)
+            if self._abandoned:
+                return
             try:
                 self._write(pending)
-            except ResponseError:
-                log.exception(
-                    "%s: %d refused by Redis; dropped (%s)", self.name, len(pending), self._dropped
-                )
-            except (RedisError, OSError) as exc:
+            except OUTAGE as exc:
                 now = time.monotonic()
                 if failing_since is None:
                     failing_since = now
-                    log.warning("%s: Redis unreachable (%s); retrying", self.name, exc)
                 if not self._stopping.is_set() and now - failing_since < self._give_up_s:
+                    if now - told_at >= OUTAGE_LOG_S:
+                        told_at = now
+                        log.warning(
+                            "%s: Redis cannot take writes (%s) for %.0f s; %d waiting, retrying",
+                            self.name,
+                            exc,
+                            now - failing_since,
+                            len(pending),
+                        )
                     self._stopping.wait(self._retry_s)
                     continue
                 log.warning(
@@ -162,11 +206,19 @@ class CoalescingWriter(Generic[T]):
                     exc,
                     self._dropped,
                 )
-            except Exception:
-                log.exception(
-                    "%s: %d could not be written; dropped (%s)",
+            except Exception as exc:
+                log.error(
+                    "%s: %d could not be written (%r); dropped (%s)",
                     self.name,
                     len(pending),
+                    exc,
                     self._dropped,
                 )
-            pending, failing_since = [], None
+            else:
+                if failing_since is not None:
+                    log.info(
+                        "%s: writing again after %.1f s",
+                        self.name,
+                        time.monotonic() - failing_since,
+                    )
+            pending, failing_since, told_at = [], None, 0.0

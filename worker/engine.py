@@ -23,7 +23,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import psutil
 import vllm
@@ -385,7 +385,7 @@ class EngineHost:
 
     def _await_answer(
         self, answer: Future[None], timeout_s: float, stopping: threading.Event | None
-    ) -> str:
+    ) -> Literal["answered", "timed out", "stopped"]:
         """Wait for a probe's ``answer``: "answered", "timed out" (cancelled then), or
         "stopped" (``stopping`` was set; cancelled). Looks every ``_PROBE_LOOK_S`` whether
         vLLM reports the core exited, and fails the engine then (``EngineFailed``)."""

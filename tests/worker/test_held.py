@@ -20,7 +20,9 @@ def test_received_then_finished_is_written_in_order(redis: Redis) -> None:
             held.received(f"tag-{n}", f"task-{n}")
         for n in range(0, 50, 2):
             held.finished(f"tag-{n}")
-        until(lambda: redis.hlen(held_key(worker)) == 25)
+        # Written in order: only the end has 25 entries and tag-0's release done.
+        key = held_key(worker)
+        until(lambda: redis.hlen(key) == 25 and not redis.hexists(key, "tag-0"))
         assert redis.hget(held_key(worker), "tag-1") == "task-1"
         assert redis.hget(held_key(worker), "tag-0") is None
         # A job received and finished at once leaves nothing behind, whatever the batching.

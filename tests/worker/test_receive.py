@@ -340,7 +340,7 @@ def test_acks_redis_refuses_are_retried_for_a_while_then_left_to_the_visibility_
             write(tags)
 
         acks._write = refused_once
-        with caplog.at_level(logging.WARNING, logger="worker.receive"):
+        with caplog.at_level(logging.WARNING, logger="worker.background"):
             got[0].ack()
             if gives_up:
                 until(lambda: "the visibility timeout returns" in caplog.text)
