@@ -195,8 +195,9 @@ class StreamHub(LoopTask):
             self._unblocking = False
 
     async def follow(self, job: JobPublic, timeout_s: float) -> AsyncIterator[str | JobPublic]:
-        """Yield ``job``'s text deltas as the worker produces them, then the job once it is
-        terminal (or as it is when ``timeout_s`` runs out). Redis errors propagate only
+        """Yield ``job``'s text as the worker produces it (the deltas that reach this
+        follower together as one), then the job once it is terminal (or as it is when
+        ``timeout_s`` runs out). Redis errors propagate only
         when Redis stayed away until then."""
         key = stream_key(job.id)
         follower = _Follower()
@@ -218,8 +219,11 @@ class StreamHub(LoopTask):
                     follower.ready.clear()
                     entries, follower.entries = follower.entries, []
                     texts, ended = _texts(entries, dedup)
-                    for text in texts:
-                        yield text
+                    if texts:
+                        # What reached this follower since it last ran goes out as one
+                        # delta: a gateway behind under load sends fewer, larger chunks
+                        # instead of falling further behind.
+                        yield "".join(texts)
                     if ended:
                         break
                     if follower.maybe_finished or not entries:
@@ -228,8 +232,8 @@ class StreamHub(LoopTask):
                         follower.maybe_finished = False
                         tail = await self._tail(job, key, follower, dedup)
                         if tail is not None:
-                            for text in tail:
-                                yield text
+                            if tail:
+                                yield "".join(tail)
                             break
         finally:
             self._unfollow(key, follower)

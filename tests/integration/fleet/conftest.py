@@ -179,13 +179,19 @@ class Fleet:
             assert time.monotonic() < deadline, "the jobs never ran all at once"
             time.sleep(0.05)
 
-    def wait_in_engine(self, worker: Child, count: int, timeout_s: float = 60) -> None:
-        """Until ``worker``'s engine holds ``count`` requests (its heartbeat says so)."""
+    def wait_in_engine(
+        self, worker: Child, count: int, jobs: list[str] | None = None, timeout_s: float = 60
+    ) -> None:
+        """Until ``worker``'s engine holds ``count`` requests (its heartbeat says so); if
+        ``jobs`` are those requests, fails at once when one of them has ended (the engine can
+        no longer be seen holding them all)."""
         deadline = time.monotonic() + timeout_s
         while True:
             record = worker_record(self, self.worker_id(worker))
             if record is not None and record["engine_unfinished_requests"] == count:
                 return
+            ended = [job_id for job_id in jobs or () if self.job(job_id).status != "running"]
+            assert not ended, f"jobs ended before their engine was seen holding {count}: {ended}"
             assert time.monotonic() < deadline, f"the engine never held {count}: {record}"
             time.sleep(0.1)
 
