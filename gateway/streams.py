@@ -197,8 +197,8 @@ class StreamHub(LoopTask):
     async def follow(self, job: JobPublic, timeout_s: float) -> AsyncIterator[str | JobPublic]:
         """Yield ``job``'s text as the worker produces it (the deltas that reach this
         follower together as one), then the job once it is terminal (or as it is when
-        ``timeout_s`` runs out). Redis errors propagate only
-        when Redis stayed away until then."""
+        ``timeout_s`` runs out). Redis errors propagate only when Redis stayed away until
+        then."""
         key = stream_key(job.id)
         follower = _Follower()
         loop = asyncio.get_running_loop()
