@@ -124,7 +124,11 @@ class Fleet:
         loaded machine answers slowly, hence the long reply window; a worker whose broker
         connection is coming back after a Redis restart answers only once its consumer
         reconnected (kombu backs off up to ~12 s after a 10 s outage), hence the retries to
-        those that have not answered yet."""
+        those that have not answered yet. A worker still starting (a test's replacement for
+        one it killed) answers only once its engine is up and it consumes: waited for first
+        (CI, 2026-12-06: a replacement spawned a second earlier did not answer in 90 s)."""
+        for worker in workers:
+            self.stack.wait_worker(worker)
         pending = {self.node(worker) for worker in workers}
         deadline = time.monotonic() + RECONNECT_S
         app = Celery(broker=self.stack.redis_url)

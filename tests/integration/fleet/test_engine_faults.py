@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 import time
 
-from contracts.keys import JOB_EVENTS, held_key
+from contracts.keys import JOB_EVENTS, held_key, stream_key
 from lorafleet.processes import Child
 from tests.helpers import submit_job, terminal_events
 from tests.integration.fleet.conftest import (
@@ -60,6 +60,23 @@ def _exited_unkilled(fleet: Fleet, expected: list[Child]) -> str:
     return "\n".join(
         f"{child.name} exited {child.process.returncode}:\n{child.log_tail(40)}" for child in gone
     )
+
+
+def _next_execution(fleet: Fleet, job_id: str, seen: list[str]) -> str:
+    """The lease value (``worker id|attempt``) of the first execution of ``job_id`` not in
+    ``seen`` to append text to its stream, as soon as it does (a blocking read: woken by the
+    append itself)."""
+    key = stream_key(job_id)
+    last = "0-0"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        for _, entries in fleet.redis.xread({key: last}, block=1000) or []:
+            for entry_id, fields in entries:
+                last = entry_id
+                execution = fields.get("attempt")
+                if execution is not None and execution not in seen:
+                    return str(execution)
+    raise AssertionError(f"no new execution of {job_id} generated: {fleet.job(job_id)}")
 
 
 def _assert_handed_over(
@@ -149,17 +166,29 @@ def test_job_that_kills_every_engine_stops_and_spares_its_batch_mates(fleet: Fle
         # heartbeat: a fast machine finishes them between two.)
     finally:
         fleet.resume(workers[1:])
+    # Resolved before the first kill: the kill must land while the poison generates, and on
+    # its last chance it runs alone and a fast machine finishes it within a second. (CI,
+    # 2026-12-06: polling the stream, then the job record, then every worker's announcement
+    # and process tree, the second kill came a second after the poison had succeeded.)
+    cores = {fleet.worker_id(worker): (worker, engine_core(worker)) for worker in workers}
     killed: list[Child] = []
-    for deaths in range(1, MAX_ATTEMPTS + 1):
-        # The poison generating: its execution number ``deaths`` appended text. (Polled
-        # fast: on its last chance it runs alone and finishes in a few seconds.)
-        deadline = time.monotonic() + 240
-        while len(fleet.stream_attempts(poison_id)) < deaths:
-            assert time.monotonic() < deadline, fleet.job(poison_id).model_dump_json()
-            time.sleep(0.01)
-        host = fleet.worker_running(fleet.job(poison_id))
-        engine_core(host).send_signal(signal.SIGKILL)
+    executions: list[str] = []
+    for _ in range(MAX_ATTEMPTS):
+        execution = _next_execution(fleet, poison_id, executions)  # it generates: kill it
+        worker_id = execution.rpartition("|")[0]
+        if worker_id not in cores:  # a replacement, up already
+            host = next(w for w in fleet.workers() if fleet.stack.worker_id(w) == worker_id)
+            cores[worker_id] = (host, engine_core(host))
+        host, core = cores[worker_id]
+        core.send_signal(signal.SIGKILL)
         killed.append(host)
+        executions.append(execution)
+        now = fleet.job(poison_id)
+        assert now.status != "succeeded", (
+            f"execution {execution} of the poison finished before its engine was killed: "
+            "the test lost its race, not the product",
+            now.model_dump_json(),
+        )
         fleet.spawn_worker()  # its orchestrator restarts it
     for host in killed:
         assert host.process.wait(timeout=EXIT_BOUND_S) == EXIT_ENGINE_FAILED
