@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 import time
 
-from contracts.keys import JOB_EVENTS, held_key, stream_key
+from contracts.keys import JOB_EVENTS, STREAM_END, held_key, stream_key
 from lorafleet.processes import Child
 from tests.helpers import submit_job, terminal_events
 from tests.integration.fleet.conftest import (
@@ -73,6 +73,8 @@ def _next_execution(fleet: Fleet, job_id: str, seen: list[str]) -> str:
         for _, entries in fleet.redis.xread({key: last}, block=1000) or []:
             for entry_id, fields in entries:
                 last = entry_id
+                if STREAM_END in fields:
+                    raise AssertionError(f"{job_id} ended: {fleet.job(job_id)}")
                 execution = fields.get("attempt")
                 if execution is not None and execution not in seen:
                     return str(execution)
@@ -154,23 +156,25 @@ def test_job_that_kills_every_engine_stops_and_spares_its_batch_mates(fleet: Fle
     workers = fleet.workers()
     gone_before = [child for child in fleet.stack.children if not child.alive()]
     fleet.pause(workers)
-    try:
-        poison = StreamingCompletion(fleet)  # streamed: its text shows when it generates
-        poison.start()
-        poison_id = poison.started()
-        mates = [submit_job(fleet.api, fleet.alias)["id"] for _ in range(3)]
-        fleet.resume(workers[:1])
-        fleet.wait_all_running([poison_id, *mates])
-        # Received together, the four reach the engine together; the first kill comes at the
-        # poison's first text, while all four generate. (Not waited for through the 1 s
-        # heartbeat: a fast machine finishes them between two.)
-    finally:
-        fleet.resume(workers[1:])
-    # Resolved before the first kill: the kill must land while the poison generates, and on
+    # Resolved before any job runs: each kill must land while the poison generates, and on
     # its last chance it runs alone and a fast machine finishes it within a second. (CI,
     # 2026-12-06: polling the stream, then the job record, then every worker's announcement
     # and process tree, the second kill came a second after the poison had succeeded.)
     cores = {fleet.worker_id(worker): (worker, engine_core(worker)) for worker in workers}
+    try:
+        # All four streamed: their text shows when they generate (the stream is written by
+        # a job in the engine only).
+        streams = [StreamingCompletion(fleet) for _ in range(4)]
+        for stream in streams:
+            stream.start()
+        poison_id, *mates = [stream.started() for stream in streams]
+        fleet.resume(workers[:1])
+        fleet.wait_all_running([poison_id, *mates])
+    finally:
+        fleet.resume(workers[1:])
+    # The first kill comes once all four generate together: three mates die with the poison.
+    for mate in mates:
+        _next_execution(fleet, mate, [])
     killed: list[Child] = []
     executions: list[str] = []
     for _ in range(MAX_ATTEMPTS):
@@ -183,13 +187,13 @@ def test_job_that_kills_every_engine_stops_and_spares_its_batch_mates(fleet: Fle
         core.send_signal(signal.SIGKILL)
         killed.append(host)
         executions.append(execution)
+        fleet.spawn_worker()  # its orchestrator restarts it
         now = fleet.job(poison_id)
         assert now.status != "succeeded", (
             f"execution {execution} of the poison finished before its engine was killed: "
             "the test lost its race, not the product",
             now.model_dump_json(),
         )
-        fleet.spawn_worker()  # its orchestrator restarts it
     for host in killed:
         assert host.process.wait(timeout=EXIT_BOUND_S) == EXIT_ENGINE_FAILED
 
@@ -198,13 +202,18 @@ def test_job_that_kills_every_engine_stops_and_spares_its_batch_mates(fleet: Fle
     assert job.error is not None and job.error.code == "attempts_exhausted"
     assert job.engine_failures == MAX_ATTEMPTS
     assert "engine" in job.error.message
+    poison, *mate_streams = streams
     poison.join(60)
     assert poison.done and poison.error is not None
     assert poison.error["code"] == "attempts_exhausted"
-    for job_id in mates:
+    for job_id, stream in zip(mates, mate_streams, strict=True):
         mate = fleet.wait_finished(job_id, timeout_s=300)
         assert mate.status == "succeeded", mate.model_dump_json()
         assert 1 <= mate.engine_failures < MAX_ATTEMPTS
+        # Its caller's stream went on across the redelivery: every character once.
+        stream.join(60)
+        assert (stream.done, stream.error) == (True, None)
+        assert mate.result is not None and stream.text == mate.result.text
     assert fleet.admitted() == {"tier": 0, "tenant": 0}
     for worker in fleet.workers():
         fleet.stack.wait_worker(worker)
