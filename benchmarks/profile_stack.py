@@ -75,7 +75,8 @@ def shares(path: Path) -> tuple[int, collections.Counter[str], collections.Count
 
 
 def ours(frame: str) -> bool:
-    return any(f"{package}/" in frame for package in ("gateway", "worker", "contracts"))
+    """A frame of the project's own modules (not ``celery/worker/...``)."""
+    return any(f"({package}/" in frame for package in ("gateway", "worker", "contracts"))
 
 
 def table(name: str, path: Path, cpu_s: float, top: int) -> Table:
@@ -167,6 +168,9 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     for name in SAMPLED:
+        if not (out / f"{name}.txt").exists():
+            # py-spy attaches with ptrace: root, or kernel.yama.ptrace_scope 0 for one's own.
+            raise SystemExit(f"py-spy recorded nothing for the {name}: may it attach (ptrace)?")
         console.print(table(name, out / f"{name}.txt", cpu.get(name, 0.0), args.top))
     console.print(f"raw stacks (collapsed, one per line) in {out}", markup=False)
 
