@@ -113,7 +113,12 @@ class Fleet:
         return worker_id
 
     def worker_running(self, job: JobPublic) -> Child:
-        return next(c for c in self.workers() if self.stack.worker_id(c) == job.worker)
+        assert job.worker is not None, job.model_dump_json()
+        return self.worker_announced_as(job.worker)
+
+    def worker_announced_as(self, worker_id: str) -> Child:
+        """The live worker announced under ``worker_id``."""
+        return next(c for c in self.workers() if self.stack.worker_id(c) == worker_id)
 
     @staticmethod
     def node(worker: Child) -> str:

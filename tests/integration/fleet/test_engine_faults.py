@@ -181,7 +181,7 @@ def test_job_that_kills_every_engine_stops_and_spares_its_batch_mates(fleet: Fle
         execution = _next_execution(fleet, poison_id, executions)  # it generates: kill it
         worker_id = execution.rpartition("|")[0]
         if worker_id not in cores:  # a replacement, up already
-            host = next(w for w in fleet.workers() if fleet.stack.worker_id(w) == worker_id)
+            host = fleet.worker_announced_as(worker_id)
             cores[worker_id] = (host, engine_core(host))
         host, core = cores[worker_id]
         core.send_signal(signal.SIGKILL)
