@@ -28,12 +28,14 @@ from contracts.jobs import JobPublic
 from contracts.keys import (
     DEADLINES,
     NO_KEY,
+    STREAM_OPENED,
     batch_jobs_key,
     batch_key,
     job_key,
     queue_ledger_key,
     rate_key,
     routed_key,
+    stream_key,
     tenant_ledger_key,
 )
 from contracts.queues import Tier
@@ -61,7 +63,7 @@ end
 """Lua: take one token from a tenant's bucket (refilled at ``rate``/s up to ``burst``);
 ``nil`` if taken, else the seconds until one is there."""
 
-_WITHDRAWN_LUA = f"local WITHDRAWN = '{WITHDRAWN}'\n"
+_WITHDRAWN_LUA = f"local WITHDRAWN = '{WITHDRAWN}'\nlocal STREAM_OPENED = '{STREAM_OPENED}'\n"
 
 ADMIT = (
     REFUSE_WHEN_FULL
@@ -92,13 +94,19 @@ if ARGV[12] ~= '' then
   redis.call('ZADD', KEYS[7], ARGV[10], ARGV[1])
 end
 redis.call('EXPIRE', KEYS[4], ARGV[9])
+if ARGV[13] == '1' then
+  -- Its caller streams: the stream exists from now on, so the job's end is always marked.
+  redis.call('XADD', KEYS[8], '*', STREAM_OPENED, '1')
+  redis.call('EXPIRE', KEYS[8], ARGV[9])
+end
 if ARGV[11] ~= '' then redis.call('LPUSH', KEYS[6], ARGV[11]) end
 return {'admitted', '0'}
 """
 )
 """Admit one job: check the tier, tenant and rate limits, and only if all pass take its
-ledger slots and a token, write its record and, when the queue lives in the same Redis,
-push its message (``contracts.task_messages``): admitted and enqueued in one step."""
+ledger slots and a token, write its record, open its stream if its caller streams
+(``STREAM_OPENED``) and, when the queue lives in the same Redis, push its message
+(``contracts.task_messages``): admitted and enqueued in one step."""
 
 WITHDRAW = """
 -- The job's key becomes a tombstone, so that an ADMIT of it still on its way is refused.
@@ -108,14 +116,15 @@ redis.call('EXPIRE', KEYS[4], ARGV[4])
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[5], ARGV[1])
+redis.call('DEL', KEYS[6])
 if removed == 1 and redis.call('EXISTS', KEYS[3]) == 1 then
   local tokens = tonumber(redis.call('HGET', KEYS[3], 'tokens')) or 0
   redis.call('HSET', KEYS[3], 'tokens', tostring(math.min(tonumber(ARGV[2]), tokens + 1)))
 end
 return removed
 """
-"""Undo an admission whose reply was lost or whose enqueue failed: no record, no ledger
-entry, the token refunded, and the job id closed to a late ``ADMIT`` (a message already
+"""Undo an admission whose reply was lost or whose enqueue failed: no record, no stream,
+no ledger entry, the token refunded, and the job id closed to a late ``ADMIT`` (a message already
 pushed finds no record and is dropped by the worker)."""
 
 
@@ -160,17 +169,20 @@ def admit_call(
     message: str | None = None,
     queue: str | None = None,
     routed: tuple[str, str] | None = None,
+    stream: bool = False,
 ) -> tuple[list[str], list[str | int | float]]:
     """``(keys, args)`` of ``ADMIT`` for a new ``job`` (its record is written if admitted);
     ``expires_at`` is its deadline + ``LEDGER_GRACE_S``. ``message``, if given, is pushed
     in the same step onto ``queue`` (default: the job's pool queue). ``routed``: ``(worker
-    id, message)`` of a job routed to that worker's own queue (``routed_key``)."""
+    id, message)`` of a job routed to that worker's own queue (``routed_key``). ``stream``:
+    its caller streams, and its stream is opened (``STREAM_OPENED``)."""
     if message is None:
         queue = NO_KEY
     elif queue is None:
         queue = job.queue
     index = routed_key(routed[0]) if routed else NO_KEY
     keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id), DEADLINES, queue, index]
+    keys.append(stream_key(job.id) if stream else NO_KEY)
     args: list[str | int | float] = [
         job.id,
         repr(expires_at),
@@ -184,12 +196,14 @@ def admit_call(
         repr(expires_at - LEDGER_GRACE_S),  # the deadline, for the sweeper's index
         message or "",
         routed[1] if routed else "",
+        "1" if stream else "",
     ]
     return keys, args
 
 
 def withdraw_call(job: JobPublic, burst: int) -> tuple[list[str], list[str | int | float]]:
     keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id), DEADLINES]
+    keys.append(stream_key(job.id))
     return keys, [job.id, burst, WITHDRAWN, WITHDRAWN_TTL_S]
 
 

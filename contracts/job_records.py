@@ -15,8 +15,9 @@ together). Every change but a claim goes through ``ADVANCE``, a compare-and-set 
   (``contracts.admission``) and from the deadline index; creates its webhook event and
   schedules its first delivery
   attempt, if it has a webhook; counts it in its batch, and creates the batch's webhook event
-  when it is the batch's last job; appends the end marker (``STREAM_END``) to its stream if
-  it has one (streaming readers end at once); publishes its id on ``JOB_EVENTS`` (waiters
+  when it is the batch's last job; appends the end marker (``STREAM_END``, with the record)
+  to its stream if it has one (streaming readers end at once, and need not read the record);
+  publishes its id on ``JOB_EVENTS`` (waiters
   wake), and on ``JOB_CANCELS`` when it becomes cancelled (the worker running it aborts
   it). So every effect of a job's outcome happens exactly once, however often the job is
   delivered.
@@ -119,7 +120,8 @@ if terminal(ARGV[1]) then
     end
   end
   if redis.call('EXISTS', KEYS[12]) == 1 then
-    redis.call('XADD', KEYS[12], '*', '{STREAM_END}', ARGV[1])
+    redis.call('XADD', KEYS[12], '*', '{STREAM_END}', ARGV[1], 'record', ARGV[2],
+               'attempts', redis.call('HGET', KEYS[1], 'attempts') or '0')
   end
   redis.call('PUBLISH', KEYS[2], ARGV[6])
 end

@@ -167,15 +167,23 @@ def tokenizer_key(sha256: str) -> str:
 
 
 def stream_key(job_id: str) -> str:
-    """Redis stream of a streaming job's text deltas, in order, per attempt; its last entry,
-    once the job is terminal, is the end marker (``STREAM_END``)."""
+    """Redis stream of a streaming job: opened at admission (``STREAM_OPENED``), then its text
+    deltas, in order, per attempt; its last entry, once the job is terminal, is the end
+    marker (``STREAM_END``)."""
     return f"{PREFIX}:stream:{job_id}"
 
 
+STREAM_OPENED = "opened"
+"""Field of the first entry of a job's stream, written by the script that admits a job whose
+caller streams (``contracts.admission.ADMIT``): the stream exists from the job's first
+moment, so the script that makes the job terminal always finds it and appends the end
+marker, even to a job that failed before it streamed a word."""
+
 STREAM_END = "end"
 """Field of the entry ``ADVANCE`` appends to a job's stream (if it has one) in the script
-that makes the job terminal, its value the status: a reader waiting on the stream learns
-the end at once instead of at its next look at the record."""
+that makes the job terminal, its value the status; beside it the record as written
+(``record``) and the attempts counter (``attempts``): a reader waiting on the stream learns
+the end, and the outcome, at once instead of at its next look at the record."""
 
 
 def webhook_event_key(event_id: str) -> str:

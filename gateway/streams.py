@@ -7,9 +7,14 @@ task (``StreamHub``) blocks on one connection of its own in a single ``XREAD`` o
 stream followed, and hands each follower its entries; a new follower interrupts that read
 (``CLIENT UNBLOCK``) so it is read from at once.
 
-A stream ends with the marker the job's terminal write appends (``STREAM_END``); a job that
-ended before it streamed anything has no stream, and its follower learns of the end from the
-job-events channel (``gateway.waiter``) and reads the record. A job redelivered after a
+A stream ends with the marker the job's terminal write appends (``STREAM_END``), which holds
+the job's final record: a follower reads nothing but the stream. A job admitted for a caller
+that streams has its stream from the start (``STREAM_OPENED``), so even one that failed
+before it streamed a word ends with the marker. Any other (a replayed request following an
+earlier request's job, whose stream may have expired, or never existed) is also watched on
+the job-events channel (``gateway.waiter``), and its follower reads the record when the job
+may have ended. A follower of either kind that hears nothing for ``recheck_s`` reads the
+record too (a stream lost with a Redis that restarted empty). A job redelivered after a
 crash streams again from its first token under a new execution tag; text the caller already
 received is skipped, so the caller sees every character exactly once. If the new attempt's
 text diverges (sampled, not greedy), the stream can't be continued consistently and ends with
@@ -32,6 +37,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from contracts.job_records import job_of
 from contracts.jobs import JobPublic
 from contracts.keys import STREAM_END, stream_key
 from contracts.redis_policy import async_options
@@ -194,23 +200,33 @@ class StreamHub(LoopTask):
         finally:
             self._unblocking = False
 
-    async def follow(self, job: JobPublic, timeout_s: float) -> AsyncIterator[str | JobPublic]:
+    async def follow(
+        self, job: JobPublic, timeout_s: float, opened: bool = False
+    ) -> AsyncIterator[str | JobPublic]:
         """Yield ``job``'s text as the worker produces it (the deltas that reach this
         follower together as one), then the job once it is terminal (or as it is when
-        ``timeout_s`` runs out). Redis errors propagate only when Redis stayed away until
-        then."""
+        ``timeout_s`` runs out). ``opened``: this request admitted the job with its stream
+        opened (``STREAM_OPENED``), so the stream will hold its end. Redis errors propagate
+        only when Redis stayed away until then."""
         key = stream_key(job.id)
         follower = _Follower()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         dedup = _Dedup()
+        final: JobPublic | None = None
         self._followers.setdefault(key, set()).add(follower)
         self._interrupt()
-        # A job that ended before this follower was registered, without streaming anything,
-        # has no stream to read and sent its event to nobody: look at its record at once.
-        follower.finished()
+        if not opened:
+            # A job that ended before this follower was registered, without streaming
+            # anything, may have no stream and sent its event to nobody: look at its record.
+            follower.finished()
+        watch = (
+            contextlib.nullcontext()
+            if opened
+            else self._waiter.notifying(job.id, follower.finished)
+        )
         try:
-            with self._waiter.notifying(job.id, follower.finished):
+            with watch:
                 while loop.time() < deadline:
                     wait_s = min(deadline - loop.time(), self._waiter.recheck_s)
                     with contextlib.suppress(TimeoutError):
@@ -218,26 +234,29 @@ class StreamHub(LoopTask):
                             await follower.ready.wait()
                     follower.ready.clear()
                     entries, follower.entries = follower.entries, []
-                    texts, ended = _texts(entries, dedup)
+                    texts, end = _texts(entries, dedup)
                     if texts:
                         # What reached this follower since it last ran goes out as one
                         # delta: a gateway behind under load sends fewer, larger chunks
                         # instead of falling further behind.
                         yield "".join(texts)
-                    if ended:
+                    if end is not None:
+                        final = end.job
                         break
                     if follower.maybe_finished or not entries:
                         # Woken by the job-events channel, or nothing arrived for a while: a
-                        # job that ended before it streamed has no marker to wait for.
+                        # job that ended without a marker has none to wait for.
                         follower.maybe_finished = False
                         tail = await self._tail(job, key, follower, dedup)
                         if tail is not None:
-                            if tail:
-                                yield "".join(tail)
+                            rest, final = tail
+                            if rest:
+                                yield "".join(rest)
                             break
         finally:
             self._unfollow(key, follower)
-        final = await self._record(job, deadline)
+        if final is None:  # not read yet: the time ran out, or a marker without the record
+            final = await self._record(job, deadline)
         if final is not None:
             yield final
 
@@ -250,10 +269,10 @@ class StreamHub(LoopTask):
 
     async def _tail(
         self, job: JobPublic, key: str, follower: _Follower, dedup: _Dedup
-    ) -> list[str] | None:
-        """If ``job`` is terminal, the text of its stream not received yet (the worker
-        completes a stream before it stores the outcome); ``None`` while it runs, or while
-        Redis is away."""
+    ) -> tuple[list[str], JobPublic | None] | None:
+        """If ``job`` is terminal (or gone), the text of its stream not received yet (the
+        worker completes a stream before it stores the outcome) and the job as read;
+        ``None`` while it runs, or while Redis is away."""
         try:
             current = await job_store.get_job(self._pool, job.id, job.tenant)
             if current is not None and not current.status.terminal:
@@ -266,7 +285,7 @@ class StreamHub(LoopTask):
         except (RedisError, OSError):
             self._followers.setdefault(key, set()).add(follower)
             return None
-        return _texts(entries, dedup)[0]
+        return _texts(entries, dedup)[0], current
 
     async def _record(self, job: JobPublic, deadline: float) -> JobPublic | None:
         """The job's record, read again until ``deadline`` while Redis is away."""
@@ -282,13 +301,25 @@ class StreamHub(LoopTask):
             pause = min(pause * 2, RETRY_S[1])
 
 
-def _texts(entries: list[Entry], dedup: _Dedup) -> tuple[list[str], bool]:
-    """The new text in ``entries``, and whether they reach the stream's end marker."""
+@dataclass(frozen=True)
+class _End:
+    """A stream's end marker: the job as its terminal write stored it (``None`` from a writer
+    that did not put the record in the marker)."""
+
+    job: JobPublic | None
+
+
+def _texts(entries: list[Entry], dedup: _Dedup) -> tuple[list[str], _End | None]:
+    """The new text in ``entries``, and the stream's end marker if they reach it."""
     texts: list[str] = []
     for _, fields in entries:
         if STREAM_END in fields:  # written with the terminal record: nothing follows
-            return texts, True
+            record = fields.get("record")
+            status, attempts = fields[STREAM_END], fields.get("attempts")
+            return texts, _End(job_of((record, status, attempts, None, None)))
+        if "text" not in fields:  # the entry that opened the stream (``STREAM_OPENED``)
+            continue
         text = dedup.fresh(fields["attempt"], fields["text"])
         if text:
             texts.append(text)
-    return texts, False
+    return texts, None

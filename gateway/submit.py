@@ -451,6 +451,7 @@ class Submitter:
                 message=encoded if self.queues.inline else None,
                 queue=destination(message),
                 routed=(message.routed.worker, encoded) if message.routed else None,
+                stream=message.stream,
             )
             verdict = admission.verdict(await self._admit_script(keys=keys, args=args))
             if verdict.refusal is not None:

@@ -315,7 +315,8 @@ async def _complete(
         job, created = admitted.job, int(time.time())
         timeout_s = call.settings.completion_timeout_s
         if body.stream:
-            events = _events(call, job, body, kind, created, timeout_s)
+            opened = not admitted.replayed  # admitted here, its stream opened with it
+            events = _events(call, job, body, kind, created, timeout_s, opened)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers=_audit_headers(job)
             )
@@ -375,10 +376,12 @@ async def _events(
     kind: _Kind,
     created: int,
     timeout_s: float,
+    opened: bool,
 ) -> AsyncIterator[bytes]:
     """OpenAI's chunk stream: the text as it is produced, a last chunk with the finish
     reason (and ``lorafleet``), a usage chunk if asked for, then ``[DONE]``. A failure after
-    the stream started arrives as an error event, which OpenAI clients raise."""
+    the stream started arrives as an error event, which OpenAI clients raise. ``opened``:
+    the job's stream was opened when it was admitted (``StreamHub.follow``)."""
     head = {"id": f"{kind.id_prefix}{job.id}", "object": kind.chunk_object, "created": created}
     head["model"] = body.model
 
@@ -389,7 +392,7 @@ async def _events(
     if kind.opening is not None:
         yield chunk(kind.opening)
     try:
-        async for item in call.streams.follow(job, timeout_s):
+        async for item in call.streams.follow(job, timeout_s, opened):
             if isinstance(item, str):
                 yield chunk(kind.delta(item))
                 continue

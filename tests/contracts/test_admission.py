@@ -22,11 +22,13 @@ from contracts.job_records import (
 )
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import (
+    STREAM_OPENED,
     batch_jobs_key,
     batch_key,
     job_key,
     queue_ledger_key,
     rate_key,
+    stream_key,
     tenant_ledger_key,
 )
 from contracts.queues import Tier, queue_for
@@ -100,6 +102,31 @@ def test_withdraw_refunds_the_rate_token_once(redis: Redis) -> None:
     assert refunded == spent + 1
     assert redis.hgetall(job_key(job.id)) == {"status": "withdrawn"}  # no record: a tombstone
     assert _held(redis, tenant) == 0
+
+
+def test_a_streamed_job_is_admitted_with_its_stream_open_and_withdrawn_without_it(
+    redis: Redis,
+) -> None:
+    """A job whose caller streams gets its stream in the admitting script (an opening entry,
+    expiring with the record), so the terminal write always finds a stream to mark the end
+    in; a withdrawal leaves no stream behind. A job whose caller does not stream gets none."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    streamed, plain = _job(tenant), _job(tenant)
+    keys, args = admission.admit_call(streamed, time.time() + 60, LIMITS, 60, stream=True)
+    assert (
+        admission.verdict(redis.register_script(admission.ADMIT)(keys=keys, args=args)).refusal
+        is None
+    )
+    assert _admit(redis, plain, time.time() + 60).refusal is None
+    opened = redis.xrange(stream_key(streamed.id))
+    assert [fields for _, fields in opened] == [{STREAM_OPENED: "1"}]  # type: ignore[union-attr]
+    assert 0 < int(redis.ttl(stream_key(streamed.id))) <= 60  # type: ignore[arg-type]
+    assert not redis.exists(stream_key(plain.id))
+
+    keys, args = admission.withdraw_call(streamed, LIMITS.burst)
+    assert redis.register_script(admission.WITHDRAW)(keys=keys, args=args) == 1
+    assert not redis.exists(stream_key(streamed.id))
+    assert redis.hgetall(job_key(streamed.id)) == {"status": "withdrawn"}
 
 
 def test_an_admission_run_twice_admits_enqueues_and_spends_once(redis: Redis) -> None:

@@ -138,7 +138,9 @@ def test_the_terminal_write_ends_the_stream_with_a_marker_and_creates_none(
     redis: Redis,
 ) -> None:
     """A streaming reader blocked on the stream learns the end from the stream itself, in
-    the script that made the job terminal; a job that streamed nothing gets no stream."""
+    the script that made the job terminal, and the outcome with it (the record as written,
+    and the attempts counter): it need not read the record. A job that streamed nothing
+    gets no stream (one whose caller streams has one from its admission)."""
     job = _queued(redis)
     _, running = _claim(redis, job, "w1:1:a")
     assert _append(redis, running, "w1:1:a", "Hel") and _append(redis, running, "w1:1:a", "lo", 3)
@@ -149,7 +151,9 @@ def test_the_terminal_write_ends_the_stream_with_a_marker_and_creates_none(
     assert entries[:2] == [
         {"attempt": "w1:1:a|1", "off": off, "text": t} for off, t in (("0", "Hel"), ("3", "lo"))
     ]
-    assert entries[2:] == [{STREAM_END: "succeeded"}]
+    assert entries[2:] == [
+        {STREAM_END: "succeeded", "record": done.model_dump_json(), "attempts": "1"}
+    ]
     # A later (refused) terminal write appends nothing.
     failed = running.model_copy(update={"status": JobStatus.FAILED})
     keys, args = advance_call(failed, 60)

@@ -15,7 +15,7 @@ from redis.asyncio import Redis as AsyncRedis
 
 from contracts.job_records import ADVANCE, advance_call
 from contracts.jobs import JobPublic, JobStatus
-from contracts.keys import job_key, stream_key
+from contracts.keys import STREAM_END, STREAM_OPENED, job_key, stream_key
 from contracts.redis_policy import async_client
 from gateway import streams
 from gateway.streams import StreamDiverged, StreamHub, _Dedup, reader_client
@@ -79,9 +79,11 @@ class Hub:
             assert time.monotonic() < deadline, "the hub's waiter never subscribed"
             await asyncio.sleep(0.01)
 
-    def follow(self, job: JobPublic, timeout_s: float = 600) -> Future[list[str | JobPublic]]:
+    def follow(
+        self, job: JobPublic, timeout_s: float = 600, opened: bool = False
+    ) -> Future[list[str | JobPublic]]:
         async def read() -> list[str | JobPublic]:
-            return [item async for item in self.hub.follow(job, timeout_s)]
+            return [item async for item in self.hub.follow(job, timeout_s, opened)]
 
         return asyncio.run_coroutine_threadsafe(read(), self.loop)
 
@@ -138,10 +140,13 @@ def _first_read(reads: list[str], job_id: str) -> None:
         time.sleep(0.01)
 
 
-def _running(redis: Redis) -> JobPublic:
+def _running(redis: Redis, opened: bool = False) -> JobPublic:
+    """A running job; ``opened``: its stream was opened at its admission."""
     job = new_job(status=JobStatus.RUNNING, attempts=1)
     redis.hset(job_key(job.id), mapping={"status": "running", "record": job.model_dump_json()})
     redis.hset(job_key(job.id), "attempts", 1)
+    if opened:
+        redis.xadd(stream_key(job.id), {STREAM_OPENED: "1"})
     return job
 
 
@@ -172,6 +177,74 @@ def test_a_follower_ends_at_the_end_marker_without_waiting_for_a_timeout(
     assert "".join(str(item) for item in items[:-1]) == "Hello"
     final = items[-1]
     assert isinstance(final, JobPublic) and final.status == JobStatus.SUCCEEDED
+
+
+def test_a_stream_opened_at_admission_is_followed_without_a_read_of_the_record(
+    infra: LocalStack, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request that admitted its job with the stream opened reads nothing but the stream:
+    the end marker carries the outcome (the record as the terminal write stored it). Here
+    no event, no timeout and no record read could end it instead (``BLOCK_MS`` 0, recheck
+    600 s, the record reads counted)."""
+    monkeypatch.setattr(streams, "BLOCK_MS", 0)
+    reads = _reads_counted(monkeypatch)
+    job = _running(redis, opened=True)
+    with Hub(infra.redis_url) as hub:
+        reading = hub.follow(job, opened=True)
+        time.sleep(0.5)
+        _write(redis, job, "Hel", "lo")
+        _finish(redis, job)
+        items = reading.result(timeout=120)
+    assert "".join(str(item) for item in items[:-1]) == "Hello"
+    final = items[-1]
+    assert isinstance(final, JobPublic) and final.status == JobStatus.SUCCEEDED
+    assert final == job.model_copy(update={"status": JobStatus.SUCCEEDED})
+    assert reads == []
+
+
+def test_a_job_that_fails_before_streaming_ends_its_opened_stream_with_the_marker(
+    infra: LocalStack, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job admitted with its stream opened that fails before it streams a word (a tampered
+    adapter) still has a stream for its terminal write to mark: the follower ends there,
+    with the failure, without the job-events channel or a read of the record. It also ends
+    so when the job failed before the follower came."""
+    monkeypatch.setattr(streams, "BLOCK_MS", 0)
+    reads = _reads_counted(monkeypatch)
+    early, late = _running(redis, opened=True), _running(redis, opened=True)
+    _finish(redis, early, JobStatus.FAILED)
+    with Hub(infra.redis_url) as hub:
+        readings = [hub.follow(job, opened=True) for job in (early, late)]
+        time.sleep(0.5)
+        _finish(redis, late, JobStatus.FAILED)
+        results = [reading.result(timeout=120) for reading in readings]
+    for items in results:
+        assert len(items) == 1
+        assert isinstance(items[0], JobPublic) and items[0].status == JobStatus.FAILED
+    assert reads == []
+
+
+def test_an_end_marker_without_the_record_makes_the_follower_read_it(
+    infra: LocalStack, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A marker written by an older worker (its status only, no record) still ends the
+    stream: the follower then reads the record, once."""
+    monkeypatch.setattr(streams, "BLOCK_MS", 0)
+    reads = _reads_counted(monkeypatch)
+    job = _running(redis, opened=True)
+    with Hub(infra.redis_url) as hub:
+        reading = hub.follow(job, opened=True)
+        time.sleep(0.5)
+        _write(redis, job, "Hi")
+        done = job.model_copy(update={"status": JobStatus.SUCCEEDED})
+        redis.hset(
+            job_key(job.id), mapping={"status": "succeeded", "record": done.model_dump_json()}
+        )
+        redis.xadd(stream_key(job.id), {STREAM_END: "succeeded"})
+        items = reading.result(timeout=120)
+    assert items[:-1] == ["Hi"]
+    assert items[-1] == done
+    assert reads == [job.id]
 
 
 def test_deltas_that_reach_a_follower_together_go_out_as_one(

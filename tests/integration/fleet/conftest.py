@@ -24,7 +24,7 @@ from celery import Celery
 
 from contracts.digests import manifest_of
 from contracts.jobs import JobPublic
-from contracts.keys import STREAM_END, queue_ledger_key, stream_key, tenant_ledger_key
+from contracts.keys import queue_ledger_key, stream_key, tenant_ledger_key
 from contracts.queues import Tier, queue_for
 from lorafleet.fixtures import AdapterSpec
 from lorafleet.processes import Child
@@ -241,9 +241,9 @@ class Fleet:
         return "".join(fields["text"] for fields in self._deltas(job_id))
 
     def _deltas(self, job_id: str) -> list[dict[str, str]]:
-        """The stream's text entries (not its end marker)."""
+        """The stream's text entries (not the entry that opened it, nor its end marker)."""
         entries = self.redis.xrange(stream_key(job_id))
-        return [fields for _, fields in entries if STREAM_END not in fields]  # type: ignore[union-attr]
+        return [fields for _, fields in entries if "text" in fields]  # type: ignore[union-attr]
 
 
 class StreamingCompletion(threading.Thread):

@@ -12,7 +12,6 @@ import time
 import pytest
 
 from contracts.errors import ErrorCode
-from contracts.keys import stream_key
 from lorafleet.processes import Child
 from tests.helpers import submit_job
 from tests.integration.fleet.conftest import Fleet, StreamingCompletion, kill_group
@@ -40,7 +39,7 @@ def test_redis_down_longer_than_heartbeats_and_leases_starts_no_second_attempt(
         stream.start()
     jobs = [stream.started() for stream in streams]
     deadline = time.monotonic() + 60
-    while not all(fleet.redis.xlen(stream_key(job_id)) for job_id in jobs):
+    while not all(fleet.stream_text(job_id) for job_id in jobs):
         assert time.monotonic() < deadline, "the jobs never all generated"
         time.sleep(0.02)  # every job has streamed text: all are generating
     workers = fleet.workers()
