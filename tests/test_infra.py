@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,20 @@ def test_containers_run_the_procfile_commands() -> None:
         shell, flag, command = json.loads(cmd.removeprefix("CMD "))  # exec form, via a shell
         assert (shell, flag) == ("sh", "-c")
         assert _procfile_role(command) == role
+
+
+def test_the_gateway_runs_on_uvloop_and_httptools_which_the_package_requires() -> None:
+    """uvicorn takes uvloop's event loop and httptools' parser only if they are installed and
+    falls back to asyncio's loop and h11 without a word. The dev venv had them through vLLM,
+    the gateway image (the package without an extra) did not: it served on the slower pair
+    every benchmark here missed. The web command names them (a missing one fails the start)
+    and the package requires them."""
+    web = procfile_commands()["web"].split()
+    assert web[web.index("--loop") + 1] == "uvloop"
+    assert web[web.index("--http") + 1] == "httptools"
+    project = tomllib.loads((INFRA.parent / "pyproject.toml").read_text())["project"]
+    required = {re.split(r"[\[<>=!~; ]", line, maxsplit=1)[0] for line in project["dependencies"]}
+    assert {"uvloop", "httptools"} <= required
 
 
 def test_worker_queues_keda_triggers_and_minimum_replicas_match_the_code() -> None:
