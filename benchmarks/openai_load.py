@@ -60,6 +60,7 @@ class Outcome:
     first_s: float | None = None  # first chunk with text (streamed)
     last_s: float | None = None  # last chunk with text (streamed)
     e2e_s: float = 0.0
+    metadata: dict[str, Any] | None = None  # lorafleet's result metadata, if the answer had it
 
     def fail(self, kind: str, detail: str = "") -> None:
         if self.error is None:  # the first reason is the one worth reading
@@ -69,6 +70,12 @@ class Outcome:
     def read_usage(self, answer: dict[str, Any]) -> None:
         self.tokens = int(answer["usage"]["completion_tokens"])
         self.prompt_tokens = int(answer["usage"]["prompt_tokens"])
+
+    def read_metadata(self, answer: dict[str, Any]) -> None:
+        """lorafleet's metadata of the job (in its answer, or its stream's last chunk)."""
+        info = answer.get("lorafleet")
+        if isinstance(info, dict) and isinstance(info.get("metadata"), dict):
+            self.metadata = info["metadata"]
 
 
 async def _read_stream(response: aiohttp.ClientResponse, outcome: Outcome, start: float) -> None:
@@ -90,6 +97,7 @@ async def _read_stream(response: aiohttp.ClientResponse, outcome: Outcome, start
         if chunk.get("usage"):
             outcome.read_usage(chunk)
             counted = True
+        outcome.read_metadata(chunk)
     if not done:
         outcome.fail("no [DONE]", "the stream ended without it")
     elif outcome.first_s is None:
@@ -109,7 +117,9 @@ async def complete(http: aiohttp.ClientSession, body: dict[str, Any]) -> Outcome
             elif body["stream"]:
                 await _read_stream(response, outcome, start)
             else:
-                outcome.read_usage(json.loads(await response.read()))
+                answer = json.loads(await response.read())
+                outcome.read_usage(answer)
+                outcome.read_metadata(answer)
     except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
         outcome.fail(type(exc).__name__, str(exc))
     outcome.e2e_s = time.perf_counter() - start

@@ -13,6 +13,10 @@ Samples only while the process holds the GIL (``--gil``): what costs CPU in Pyth
 waits. py-spy walks every thread at each sample; the worker has a Celery thread per job slot
 (256), so it is sampled far less often than asked (tens of samples in a few seconds): read
 the worker's shares as coarse, and its sample count is printed with them.
+
+The unprofiled run also prints where a request's time went: the client's time to first text
+beside the job's own metadata (admitted -> the worker began it, the engine's arrival -> first
+token).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from openai_load import Scenario, run, summarise
+from openai_load import Run, Scenario, percentile, run, summarise
 from rich.console import Console
 from rich.table import Table
 from vs_vllm_serve import ADAPTERS, NEW_TOKENS, cpu_now, exact_prompts, lorafleet_stack, warm
@@ -105,6 +109,31 @@ def table(name: str, path: Path, cpu_s: float, top: int) -> Table:
     return result
 
 
+def timeline(result: Run) -> Table:
+    """Where a request's time went, p50 and p90 over the successful ones (ms): the client's
+    time to first text and to the end beside what the job's metadata observed (admitted ->
+    the worker began the job; the engine's own arrival -> first token)."""
+    good = [o for o in result.outcomes if o.error is None and o.metadata is not None]
+    columns: dict[str, list[float]] = {
+        "client: first text": [o.first_s * 1000 for o in good if o.first_s is not None],
+        "job: admitted -> worker began it": [o.metadata["queue_wait_ms"] for o in good],  # type: ignore[index]
+        "engine: arrival -> first token": [
+            o.metadata["ttft_ms"]  # type: ignore[index]
+            for o in good
+            if o.metadata.get("ttft_ms") is not None  # type: ignore[union-attr]
+        ],
+        "job: admitted -> outcome": [o.metadata["e2e_ms"] for o in good],  # type: ignore[index]
+        "client: whole request": [o.e2e_s * 1000 for o in good],
+    }
+    out = Table(title=f"where a request's time went ({len(good)} requests, ms)")
+    for heading in ("", "p50", "p90"):
+        out.add_column(heading, justify="left" if not heading else "right")
+    for name, values in columns.items():
+        p50, p90 = percentile(values, 50), percentile(values, 90)
+        out.add_row(name, *("-" if v is None else f"{v:,.1f}" for v in (p50, p90)))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", choices=["stream", "no-stream"], default="stream")
@@ -159,6 +188,7 @@ def main() -> None:
                 used = {name: after[name] - before[name] for name in after}
                 if not profiled:
                     cpu = used
+                    console.print(timeline(result))
                 console.print(
                     f"{'profiled' if profiled else 'unprofiled'} {label}: {stats.ok} ok, "
                     f"{stats.failed} failed, {result.elapsed_s:.2f} s; CPU s: "

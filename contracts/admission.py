@@ -29,6 +29,7 @@ from contracts.keys import (
     DEADLINES,
     NO_KEY,
     STREAM_OPENED,
+    STREAM_OPENED_ID,
     batch_jobs_key,
     batch_key,
     job_key,
@@ -63,7 +64,10 @@ end
 """Lua: take one token from a tenant's bucket (refilled at ``rate``/s up to ``burst``);
 ``nil`` if taken, else the seconds until one is there."""
 
-_WITHDRAWN_LUA = f"local WITHDRAWN = '{WITHDRAWN}'\nlocal STREAM_OPENED = '{STREAM_OPENED}'\n"
+_WITHDRAWN_LUA = (
+    f"local WITHDRAWN = '{WITHDRAWN}'\n"
+    f"local STREAM_OPENED, STREAM_OPENED_ID = '{STREAM_OPENED}', '{STREAM_OPENED_ID}'\n"
+)
 
 ADMIT = (
     REFUSE_WHEN_FULL
@@ -96,7 +100,7 @@ end
 redis.call('EXPIRE', KEYS[4], ARGV[9])
 if ARGV[13] == '1' then
   -- Its caller streams: the stream exists from now on, so the job's end is always marked.
-  redis.call('XADD', KEYS[8], '*', STREAM_OPENED, '1')
+  redis.call('XADD', KEYS[8], STREAM_OPENED_ID, STREAM_OPENED, '1')
   redis.call('EXPIRE', KEYS[8], ARGV[9])
 end
 if ARGV[11] ~= '' then redis.call('LPUSH', KEYS[6], ARGV[11]) end

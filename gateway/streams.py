@@ -39,7 +39,7 @@ from redis.exceptions import RedisError
 
 from contracts.job_records import job_of
 from contracts.jobs import JobPublic
-from contracts.keys import STREAM_END, stream_key
+from contracts.keys import STREAM_END, STREAM_OPENED_ID, stream_key
 from contracts.redis_policy import async_options
 from gateway import job_store
 from gateway.background import LoopTask
@@ -209,7 +209,9 @@ class StreamHub(LoopTask):
         opened (``STREAM_OPENED``), so the stream will hold its end. Redis errors propagate
         only when Redis stayed away until then."""
         key = stream_key(job.id)
-        follower = _Follower()
+        # Past the entry that opened the stream: reading it would wake this follower for
+        # nothing.
+        follower = _Follower(STREAM_OPENED_ID) if opened else _Follower()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         dedup = _Dedup()

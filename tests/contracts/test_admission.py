@@ -23,6 +23,7 @@ from contracts.job_records import (
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import (
     STREAM_OPENED,
+    STREAM_OPENED_ID,
     batch_jobs_key,
     batch_key,
     job_key,
@@ -118,8 +119,7 @@ def test_a_streamed_job_is_admitted_with_its_stream_open_and_withdrawn_without_i
         is None
     )
     assert _admit(redis, plain, time.time() + 60).refusal is None
-    opened = redis.xrange(stream_key(streamed.id))
-    assert [fields for _, fields in opened] == [{STREAM_OPENED: "1"}]  # type: ignore[union-attr]
+    assert redis.xrange(stream_key(streamed.id)) == [(STREAM_OPENED_ID, {STREAM_OPENED: "1"})]
     assert 0 < int(redis.ttl(stream_key(streamed.id))) <= 60  # type: ignore[arg-type]
     assert not redis.exists(stream_key(plain.id))
 

@@ -15,7 +15,7 @@ from redis.asyncio import Redis as AsyncRedis
 
 from contracts.job_records import ADVANCE, advance_call
 from contracts.jobs import JobPublic, JobStatus
-from contracts.keys import STREAM_END, STREAM_OPENED, job_key, stream_key
+from contracts.keys import STREAM_END, STREAM_OPENED, STREAM_OPENED_ID, job_key, stream_key
 from contracts.redis_policy import async_client
 from gateway import streams
 from gateway.streams import StreamDiverged, StreamHub, _Dedup, reader_client
@@ -146,7 +146,7 @@ def _running(redis: Redis, opened: bool = False) -> JobPublic:
     redis.hset(job_key(job.id), mapping={"status": "running", "record": job.model_dump_json()})
     redis.hset(job_key(job.id), "attempts", 1)
     if opened:
-        redis.xadd(stream_key(job.id), {STREAM_OPENED: "1"})
+        redis.xadd(stream_key(job.id), {STREAM_OPENED: "1"}, id=STREAM_OPENED_ID)
     return job
 
 
