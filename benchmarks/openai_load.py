@@ -60,6 +60,8 @@ class Outcome:
     first_s: float | None = None  # first chunk with text (streamed)
     last_s: float | None = None  # last chunk with text (streamed)
     e2e_s: float = 0.0
+    sent_at: float = 0.0  # wall clock (time.time()) when it was sent
+    job_id: str | None = None  # lorafleet's job, if the answer named it
     metadata: dict[str, Any] | None = None  # lorafleet's result metadata, if the answer had it
 
     def fail(self, kind: str, detail: str = "") -> None:
@@ -74,8 +76,10 @@ class Outcome:
     def read_metadata(self, answer: dict[str, Any]) -> None:
         """lorafleet's metadata of the job (in its answer, or its stream's last chunk)."""
         info = answer.get("lorafleet")
-        if isinstance(info, dict) and isinstance(info.get("metadata"), dict):
-            self.metadata = info["metadata"]
+        if isinstance(info, dict):
+            self.job_id = info.get("job_id")
+            if isinstance(info.get("metadata"), dict):
+                self.metadata = info["metadata"]
 
 
 async def _read_stream(response: aiohttp.ClientResponse, outcome: Outcome, start: float) -> None:
@@ -108,7 +112,7 @@ async def _read_stream(response: aiohttp.ClientResponse, outcome: Outcome, start
 
 async def complete(http: aiohttp.ClientSession, body: dict[str, Any]) -> Outcome:
     """Send one completion request and read its answer to the end."""
-    outcome = Outcome()
+    outcome = Outcome(sent_at=time.time())
     start = time.perf_counter()
     try:
         async with http.post("/v1/completions", json=body) as response:

@@ -14,9 +14,10 @@ waits. py-spy walks every thread at each sample; the worker has a Celery thread 
 (256), so it is sampled far less often than asked (tens of samples in a few seconds): read
 the worker's shares as coarse, and its sample count is printed with them.
 
-The unprofiled run also prints where a request's time went: the client's time to first text
-beside the job's own metadata (admitted -> the worker began it, the engine's arrival -> first
-token).
+The unprofiled run also prints where a request's time went: sent -> accepted by the gateway,
+-> claimed by a worker, -> first text in Redis (the engine's own time to first token beside
+it), -> first text at the client (streamed; unstreamed: -> outcome stored -> answer), from the
+client's clock, the job's record and its stream's entry ids (one machine, one clock).
 """
 
 from __future__ import annotations
@@ -25,18 +26,22 @@ import argparse
 import asyncio
 import collections
 import datetime
+import json
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from openai_load import Run, Scenario, percentile, run, summarise
+from redis import Redis
 from rich.console import Console
 from rich.table import Table
 from vs_vllm_serve import ADAPTERS, NEW_TOKENS, cpu_now, exact_prompts, lorafleet_stack, warm
 
+from contracts.keys import job_key, stream_key
 from lorafleet.fixtures import write_fixtures
 from lorafleet.processes import interrupt_on_signal
 
@@ -109,28 +114,44 @@ def table(name: str, path: Path, cpu_s: float, top: int) -> Table:
     return result
 
 
-def timeline(result: Run) -> Table:
-    """Where a request's time went, p50 and p90 over the successful ones (ms): the client's
-    time to first text and to the end beside what the job's metadata observed (admitted ->
-    the worker began the job; the engine's own arrival -> first token)."""
-    good = [o for o in result.outcomes if o.error is None and o.metadata is not None]
-    columns: dict[str, list[float]] = {
-        "client: first text": [o.first_s * 1000 for o in good if o.first_s is not None],
-        "job: admitted -> worker began it": [o.metadata["queue_wait_ms"] for o in good],  # type: ignore[index]
-        "engine: arrival -> first token": [
-            o.metadata["ttft_ms"]  # type: ignore[index]
-            for o in good
-            if o.metadata.get("ttft_ms") is not None  # type: ignore[union-attr]
-        ],
-        "job: admitted -> outcome": [o.metadata["e2e_ms"] for o in good],  # type: ignore[index]
-        "client: whole request": [o.e2e_s * 1000 for o in good],
-    }
+def timeline(result: Run, redis_url: str) -> Table:
+    """Where a request's time went, p50 and p90 over the successful ones (ms), from the
+    client's clock, the job's record (accepted, claimed: the gateway's and the worker's
+    clocks) and its stream (each entry's id is Redis's clock): one machine, one clock."""
+    redis = Redis.from_url(redis_url, decode_responses=True)
+    columns: dict[str, list[float]] = collections.defaultdict(list)
+    good = [o for o in result.outcomes if o.error is None and o.job_id and o.metadata]
+    for outcome in good:
+        record = json.loads(str(redis.hget(job_key(str(outcome.job_id)), "record")))
+        accepted = datetime.datetime.fromisoformat(record["created_at"]).timestamp()
+        claimed = datetime.datetime.fromisoformat(record["started_at"]).timestamp()
+        finished = datetime.datetime.fromisoformat(record["finished_at"]).timestamp()
+        columns["gateway: sent -> accepted"].append(accepted - outcome.sent_at)
+        columns["admitted -> a worker claimed it"].append(claimed - accepted)
+        if outcome.first_s is not None:
+            entries: Any = redis.xrange(stream_key(str(outcome.job_id)))
+            texts = [int(entry_id.split("-")[0]) / 1000 for entry_id, f in entries if "text" in f]
+            columns["worker: claimed -> first text in Redis"].append(texts[0] - claimed)
+            columns["gateway: first text in Redis -> client"].append(
+                outcome.sent_at + outcome.first_s - texts[0]
+            )
+            columns["client: first text"].append(outcome.first_s)
+        else:
+            columns["worker: claimed -> outcome stored"].append(finished - claimed)
+            columns["gateway: outcome stored -> client"].append(
+                outcome.sent_at + outcome.e2e_s - finished
+            )
+        ttft_ms = outcome.metadata.get("ttft_ms")  # type: ignore[union-attr]
+        if ttft_ms is not None:
+            columns["engine's own: arrival -> first token"].append(ttft_ms / 1000)
+        columns["client: whole request"].append(outcome.e2e_s)
+    redis.close()
     out = Table(title=f"where a request's time went ({len(good)} requests, ms)")
     for heading in ("", "p50", "p90"):
         out.add_column(heading, justify="left" if not heading else "right")
     for name, values in columns.items():
         p50, p90 = percentile(values, 50), percentile(values, 90)
-        out.add_row(name, *("-" if v is None else f"{v:,.1f}" for v in (p50, p90)))
+        out.add_row(name, *("-" if v is None else f"{v * 1000:,.1f}" for v in (p50, p90)))
     return out
 
 
@@ -188,7 +209,8 @@ def main() -> None:
                 used = {name: after[name] - before[name] for name in after}
                 if not profiled:
                     cpu = used
-                    console.print(timeline(result))
+                    assert server.redis_url is not None
+                    console.print(timeline(result, server.redis_url))
                 console.print(
                     f"{'profiled' if profiled else 'unprofiled'} {label}: {stats.ok} ok, "
                     f"{stats.failed} failed, {result.elapsed_s:.2f} s; CPU s: "

@@ -123,6 +123,7 @@ class Server:
     url: str
     headers: dict[str, str]
     pids: dict[str, int]
+    redis_url: str | None = None  # lorafleet's: where its job records and streams are
 
 
 def _healthy(url: str) -> bool:
@@ -175,7 +176,8 @@ def lorafleet_stack(model: Path, adapters: dict[str, Path], state_dir: Path) -> 
         engine = {f"LORAFLEET_{key.upper()}": str(value) for key, value in ENGINE.items()}
         stack.start_services({**engine, **ADMISSION})
         pids = {child.name: child.pid for child in stack.children} | {"client": os.getpid()}
-        yield Server(LORAFLEET, stack.gateway_url, auth_headers(stack.api_key), pids)
+        headers = auth_headers(stack.api_key)
+        yield Server(LORAFLEET, stack.gateway_url, headers, pids, stack.redis_url)
 
 
 # -- the requests --------------------------------------------------------------------------

@@ -3,6 +3,7 @@ caller's tenant is granted that name."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -62,11 +63,16 @@ def resolution(
         return None
     alias = target if target is not None else name
     try:
-        record = read_record(alias, raw)
+        record = _read_record(alias, raw)
     except UnreadableRecord as exc:
         _skipped(exc, "refusing its jobs")
         raise UnreadableAlias(alias, exc.reason, retired) from exc
     return Resolved(record=record, channel=name if target is not None else None, retired=retired)
+
+
+_read_record = functools.lru_cache(maxsize=4096)(read_record)
+"""``read_record``, its result kept by alias and exact text (records are frozen; one that does
+not parse raises each time): every job names an adapter whose record arrives with it."""
 
 
 async def granted_models(redis: Redis, tenant: str) -> list[tuple[str, AdapterRecord]]:

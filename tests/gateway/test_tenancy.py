@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
 
 from contracts.registry import AdapterRecord
-from contracts.tenants import TenantLimits
+from contracts.tenants import TenantLimits, key_hash
+from gateway import access
+from gateway.access import Access, Caller
+from gateway.errors import ApiError
 from lorafleet.client import auth_headers
 from lorafleet.registry import Registry
+from lorafleet.stack import LocalStack
 from lorafleet.tenants import Tenants
 from tests.helpers import job_records
 
@@ -191,3 +197,36 @@ def test_another_tenants_job_is_404_like_a_job_that_never_existed(
             )
     # The owner still sees it, and it was not cancelled by the other tenant's DELETE.
     assert api.get(f"/v1/jobs/{job_id}").json()["status"] != "cancelled"
+
+
+def test_records_are_parsed_once_per_content_yet_every_change_applies_on_the_next_check(
+    redis: Redis, tenants: Tenants, new_tenant: Callable[..., tuple[str, str]], infra: LocalStack
+) -> None:
+    """The key check reads the key and tenant records from Redis on every request; what it
+    keeps is only their parse, by their exact text: the same records are parsed once, a
+    changed tenant record is parsed anew on the next request, and a revoked key is refused
+    there even though its record's parse is kept."""
+    name, key = new_tenant()
+    caller = Caller(key_hash(key))
+
+    async def checked() -> Access:
+        client = AsyncRedis.from_url(infra.redis_url, decode_responses=True)
+        try:
+            return await access.check(client, caller)
+        finally:
+            await client.aclose()
+
+    first = asyncio.run(checked())
+    parsed = access.parsed_records()
+    assert asyncio.run(checked()) == first
+    assert access.parsed_records() == parsed  # the same text: nothing parsed again
+
+    tenants.set_limits(name, TenantLimits(max_concurrent=7))
+    assert asyncio.run(checked()).tenant.limits.max_concurrent == 7
+    assert access.parsed_records() == parsed + 1  # the tenant's new record
+
+    (listed,) = tenants.keys(name)
+    tenants.revoke(name, listed.key_id)
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(checked())
+    assert refused.value.status_code == 401
