@@ -30,6 +30,7 @@ _TYPES = {
     409: "conflict_error",
     410: "not_found_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
@@ -228,6 +229,7 @@ _STATUS = {
     ErrorCode.JOB_FINISHED: 409,
     ErrorCode.IDEMPOTENCY_CONFLICT: 409,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.HEADERS_TOO_LARGE: 431,
     ErrorCode.BODY_TIMEOUT: 408,
     ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
     ErrorCode.TIER_LIMIT_EXCEEDED: 429,
@@ -251,6 +253,7 @@ AUTHENTICATED = (
     ErrorCode.UNAUTHORIZED,
     ErrorCode.VALIDATION_ERROR,
     ErrorCode.PAYLOAD_TOO_LARGE,
+    ErrorCode.HEADERS_TOO_LARGE,
     ErrorCode.BODY_TIMEOUT,
     ErrorCode.SERVICE_UNAVAILABLE,
 )
@@ -269,6 +272,11 @@ ADMISSION = (
     ErrorCode.TENANT_RATE_EXCEEDED,
 )
 """Codes of every endpoint that admits a job."""
+
+
+def status_of(code: ErrorCode) -> int:
+    """The HTTP status ``code`` is answered with."""
+    return _STATUS[code]
 
 
 def responses(*codes: ErrorCode) -> dict[int | str, dict[str, Any]]:

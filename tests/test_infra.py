@@ -141,7 +141,8 @@ def test_the_gateway_runs_on_uvloop_and_httptools_which_the_package_requires() -
     and the package requires them."""
     web = procfile_commands()["web"].split()
     assert web[web.index("--loop") + 1] == "uvloop"
-    assert web[web.index("--http") + 1] == "httptools"
+    # httptools, with a bound on each request's head (``gateway.http_protocol``).
+    assert web[web.index("--http") + 1] == "gateway.http_protocol:BoundedHttpTools"
     project = tomllib.loads((INFRA.parent / "pyproject.toml").read_text())["project"]
     required = {re.split(r"[\[<>=!~; ]", line, maxsplit=1)[0] for line in project["dependencies"]}
     assert {"uvloop", "httptools"} <= required

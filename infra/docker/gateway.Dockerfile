@@ -13,4 +13,4 @@ USER 10001
 ENV PORT=8000 LORAFLEET_GATEWAY_HOST=0.0.0.0
 EXPOSE 8000
 # A shell, so that the settings expand (exec: the server gets the signals, as PID 1).
-CMD ["sh", "-c", "exec uvicorn gateway.app:create_app --factory --loop uvloop --http httptools --host ${LORAFLEET_GATEWAY_HOST:-0.0.0.0} --port ${PORT:-8000} --timeout-keep-alive ${LORAFLEET_KEEP_ALIVE_S:-75}"]
+CMD ["sh", "-c", "exec uvicorn gateway.app:create_app --factory --loop uvloop --http gateway.http_protocol:BoundedHttpTools --host ${LORAFLEET_GATEWAY_HOST:-0.0.0.0} --port ${PORT:-8000} --timeout-keep-alive ${LORAFLEET_KEEP_ALIVE_S:-75}"]

@@ -23,6 +23,7 @@ from contracts.registry import AdapterRecord, BaseModelRef
 from contracts.tenants import ALL_ADAPTERS, TenantLimits
 from gateway.app import create_app
 from gateway.config import GatewaySettings
+from gateway.http_protocol import BoundedHttpTools
 from lorafleet.processes import free_port
 from lorafleet.stack import CPU_ENGINE_DEFAULTS, LocalStack
 from lorafleet.tenants import Tenants
@@ -63,8 +64,15 @@ NOTHING = {
 def serving(settings: GatewaySettings) -> Iterator[str]:
     """The gateway app under uvicorn on a free port, in a thread; yields its base URL."""
     port = free_port()
+    # The web command's event loop and protocol (the Procfile's ``--loop`` and ``--http``).
     config = uvicorn.Config(
-        create_app(settings), host="127.0.0.1", port=port, log_level="warning", lifespan="on"
+        create_app(settings),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        lifespan="on",
+        loop="uvloop",
+        http=BoundedHttpTools,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="private-gateway", daemon=True)

@@ -16,6 +16,7 @@ from redis import Redis
 
 from contracts.queues import Tier, queue_for
 from contracts.registry import AdapterRecord
+from gateway.http_protocol import MAX_HEAD_BYTES
 from lorafleet.client import auth_headers
 from tests.gateway.conftest import NOTHING, admitted_state
 
@@ -539,3 +540,58 @@ def test_a_json_body_without_a_content_type_is_read_as_json(
     body = json.dumps({"adapter": _cold(published), "prompt": "hi"}).encode()
     response = http.post("/v1/jobs", content=body, headers={"content-type": ""})
     assert response.status_code == 202, response.text
+
+
+def _exchange(base_url: str, head: bytes, body: bytes = b"") -> tuple[bytes, bool]:
+    """Send ``head`` and ``body`` on a new connection, in pieces of 64 KiB as a client's
+    writes arrive; read until the server closes it or 10 s pass. ``(answer, closed)``."""
+    host, port = httpx.URL(base_url).host, httpx.URL(base_url).port
+    with socket.create_connection((host, port), timeout=10) as conn:
+        data = head + body
+        try:
+            for start in range(0, len(data), 65536):
+                conn.sendall(data[start : start + 65536])
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before all of it was sent: the answer is read below
+        answer = b""
+        try:
+            while chunk := conn.recv(65536):
+                answer += chunk
+        except TimeoutError:
+            return answer, False
+        except ConnectionResetError:
+            pass
+        return answer, True
+
+
+def test_a_request_head_past_16_kib_is_431_and_closed_before_it_is_read_whole(
+    http: httpx.Client,
+) -> None:
+    """httptools bounds nothing a client sends before its body (h11 stopped at 16 KiB):
+    without the gateway's own bound, a client with no key could make it hold a head of any
+    size. Past ``MAX_HEAD_BYTES`` the answer is 431 ``headers_too_large`` and the connection
+    closes, whether the head ends later or never; a head under the bound is served, and a
+    body, however large, never counts as head."""
+    url = str(http.base_url)
+    padding = b"X-Padding: " + b"a" * (4 * 1024 * 1024) + b"\r\n"
+    for ending in (b"\r\n", b""):  # the head ends after the padding; it never ends
+        answer, closed = _exchange(url, b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + padding + ending)
+        status, _, rest = answer.partition(b"\r\n")
+        assert status == b"HTTP/1.1 431 Request Header Fields Too Large", answer[:300]
+        error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+        assert error["code"] == "headers_too_large" and error["message"], error
+        assert closed
+    small = b"X-Padding: " + b"a" * (MAX_HEAD_BYTES - 1024) + b"\r\n"
+    answer, _ = _exchange(url, b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + small + b"\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    # A prompt of 200 KiB, sent with its head in the same writes: refused for its length (the
+    # route read it), not as a head.
+    body = json.dumps({"model": "m", "prompt": "word " * 40_000, "max_tokens": 1}).encode()
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: {http.headers['Authorization']}\r\n".encode()
+        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+    )
+    answer, _ = _exchange(url, head, body)
+    assert not answer.startswith(b"HTTP/1.1 431"), answer[:300]
+    assert answer.startswith(b"HTTP/1.1 4"), answer[:300]
