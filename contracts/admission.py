@@ -30,6 +30,7 @@ from contracts.keys import (
     NO_KEY,
     STREAM_OPENED,
     STREAM_OPENED_ID,
+    STREAM_TTL_S,
     batch_jobs_key,
     batch_key,
     job_key,
@@ -67,6 +68,7 @@ end
 _WITHDRAWN_LUA = (
     f"local WITHDRAWN = '{WITHDRAWN}'\n"
     f"local STREAM_OPENED, STREAM_OPENED_ID = '{STREAM_OPENED}', '{STREAM_OPENED_ID}'\n"
+    f"local STREAM_TTL_S = {STREAM_TTL_S}\n"
 )
 
 ADMIT = (
@@ -101,7 +103,7 @@ redis.call('EXPIRE', KEYS[4], ARGV[9])
 if ARGV[13] == '1' then
   -- Its caller streams: the stream exists from now on, so the job's end is always marked.
   redis.call('XADD', KEYS[8], STREAM_OPENED_ID, STREAM_OPENED, '1')
-  redis.call('EXPIRE', KEYS[8], ARGV[9])
+  redis.call('EXPIRE', KEYS[8], math.min(tonumber(ARGV[9]), STREAM_TTL_S))
 end
 if ARGV[11] ~= '' then redis.call('LPUSH', KEYS[6], ARGV[11]) end
 return {'admitted', '0'}
@@ -109,8 +111,9 @@ return {'admitted', '0'}
 )
 """Admit one job: check the tier, tenant and rate limits, and only if all pass take its
 ledger slots and a token, write its record, open its stream if its caller streams
-(``STREAM_OPENED``) and, when the queue lives in the same Redis, push its message
-(``contracts.task_messages``): admitted and enqueued in one step."""
+(``STREAM_OPENED``, kept as long as the record or ``STREAM_TTL_S``, the shorter) and, when the
+queue lives in the same Redis, push its message (``contracts.task_messages``): admitted and
+enqueued in one step."""
 
 WITHDRAW = """
 -- The job's key becomes a tombstone, so that an ADMIT of it still on its way is refused.

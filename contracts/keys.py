@@ -179,6 +179,10 @@ caller streams (``contracts.admission.ADMIT``): the stream exists from the job's
 moment, so the script that makes the job terminal always finds it and appends the end
 marker, even to a job that failed before it streamed a word."""
 
+STREAM_TTL_S = 3600
+"""How long a job's stream is kept after its last entry (its job's record, if kept for less,
+bounds it too)."""
+
 STREAM_OPENED_ID = "0-1"
 """The id of that first entry (the least a stream entry can have; every later entry's is
 time-based): a reader that knows the stream was opened reads from past it."""

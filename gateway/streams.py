@@ -8,7 +8,7 @@ stream followed, and hands each follower its entries; a new follower interrupts 
 (``CLIENT UNBLOCK``) so it is read from at once.
 
 A stream ends with the marker the job's terminal write appends (``STREAM_END``), which holds
-the job's final record: a follower reads nothing but the stream. A job admitted for a caller
+the job's final record: a follower need not read the record. A job admitted for a caller
 that streams has its stream from the start (``STREAM_OPENED``), so even one that failed
 before it streamed a word ends with the marker. Any other (a replayed request following an
 earlier request's job, whose stream may have expired, or never existed) is also watched on
@@ -243,7 +243,10 @@ class StreamHub(LoopTask):
                         # instead of falling further behind.
                         yield "".join(texts)
                     if end is not None:
-                        final = end.job
+                        # The same job, so the same tenant; checked all the same, as a read
+                        # of the record is (``job_store.get_job``).
+                        if end.job is not None and end.job.tenant == job.tenant:
+                            final = end.job
                         break
                     if follower.maybe_finished or not entries:
                         # Woken by the job-events channel, or nothing arrived for a while: a

@@ -24,7 +24,7 @@ from celery.worker import state as celery_state
 
 from contracts.digests import manifest_of
 from contracts.jobs import JobMessage, LoadTimings
-from contracts.keys import WORKER_QUEUES, WORKERS_INDEX, held_key, worker_key
+from contracts.keys import STREAM_TTL_S, WORKER_QUEUES, WORKERS_INDEX, held_key, worker_key
 from contracts.queues import Tier, pool_queues
 from contracts.redis_policy import sync_client
 from contracts.registry import AdapterRecord, BaseModelRef
@@ -49,7 +49,7 @@ from worker.residency import EngineAdapters
 from worker.result_store import ResultStore, results_client
 from worker.runner import JobRunner
 from worker.script_batch import ScriptBatch, script_client
-from worker.streams import STREAM_TTL_S, DeltaPublisher
+from worker.streams import DeltaPublisher
 from worker.sweeper import DeadlineSweeper
 from worker.watchdog import EngineWatch
 

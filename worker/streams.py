@@ -30,11 +30,11 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from contracts.job_records import APPEND_DELTAS, append_call, lease_value
+from contracts.keys import STREAM_TTL_S
 from worker.background import Background
 
 log = logging.getLogger(__name__)
 
-STREAM_TTL_S = 3600
 RETRY_S = 0.2
 
 _Attempt = tuple[str, int]  # (job id, attempt number)

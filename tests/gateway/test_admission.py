@@ -16,7 +16,15 @@ import httpx
 from redis import Redis
 
 from contracts import admission
-from contracts.keys import DEADLINES, rate_key, tenant_ledger_key
+from contracts.keys import (
+    DEADLINES,
+    STREAM_OPENED,
+    STREAM_OPENED_ID,
+    STREAM_TTL_S,
+    rate_key,
+    stream_key,
+    tenant_ledger_key,
+)
 from contracts.queues import Tier
 from contracts.registry import AdapterRecord
 from lorafleet.client import auth_headers
@@ -387,3 +395,33 @@ def test_a_burst_wider_than_the_redis_pool_is_admitted_whole(
         "tenant_ledger": 120,
         "queued": 120,
     }
+
+
+def test_a_streamed_completion_admits_its_job_with_its_stream_open_and_a_plain_one_without(
+    private_gateway: Callable[..., Any],
+    tenant_key: Callable[..., str],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    """The route admits a streamed request's job with its stream opened (so the stream will
+    hold the job's end: ``StreamHub.follow``), expiring as streams do; an unstreamed one's
+    job has no stream. (No worker runs here: both wait out their bound.)"""
+    key = tenant_key("acme")
+    body = {"model": _cold(published), "prompt": "hello", "max_tokens": 4}
+    with (
+        private_gateway(completion_timeout_s=0.5) as url,
+        httpx.Client(base_url=url, headers=auth_headers(key), timeout=30) as http,
+    ):
+        with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as streamed:
+            assert streamed.status_code == 200
+            streamed_job = streamed.headers["x-lorafleet-job-id"]
+            events = "".join(streamed.iter_text())
+        assert '"code":"timeout"' in events and events.endswith("data: [DONE]\n\n"), events
+        plain = http.post("/v1/completions", json=body)
+        assert plain.status_code == 504
+        plain_job = plain.headers["x-lorafleet-job-id"]
+    assert private_redis.xrange(stream_key(streamed_job)) == [
+        (STREAM_OPENED_ID, {STREAM_OPENED: "1"})
+    ]
+    assert 0 < int(private_redis.ttl(stream_key(streamed_job))) <= STREAM_TTL_S  # type: ignore[arg-type]
+    assert not private_redis.exists(stream_key(plain_job))

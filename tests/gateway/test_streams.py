@@ -188,6 +188,14 @@ def test_a_stream_opened_at_admission_is_followed_without_a_read_of_the_record(
     600 s, the record reads counted)."""
     monkeypatch.setattr(streams, "BLOCK_MS", 0)
     reads = _reads_counted(monkeypatch)
+    handed: list[str] = []  # the ids of the entries the follower was handed
+    real_texts = streams._texts
+
+    def texts(entries: list[streams.Entry], dedup: _Dedup) -> Any:
+        handed.extend(entry_id for entry_id, _ in entries)
+        return real_texts(entries, dedup)
+
+    monkeypatch.setattr(streams, "_texts", texts)
     job = _running(redis, opened=True)
     with Hub(infra.redis_url) as hub:
         reading = hub.follow(job, opened=True)
@@ -200,6 +208,8 @@ def test_a_stream_opened_at_admission_is_followed_without_a_read_of_the_record(
     assert isinstance(final, JobPublic) and final.status == JobStatus.SUCCEEDED
     assert final == job.model_copy(update={"status": JobStatus.SUCCEEDED})
     assert reads == []
+    # Read from past the opening entry: nothing woke the follower before the text.
+    assert handed and STREAM_OPENED_ID not in handed
 
 
 def test_a_job_that_fails_before_streaming_ends_its_opened_stream_with_the_marker(
@@ -303,12 +313,13 @@ def test_a_job_that_ended_before_its_follower_came_ends_it_at_once(
 def test_two_requests_follow_one_stream_and_each_reads_all_of_it(
     infra: LocalStack, redis: Redis
 ) -> None:
-    """A replayed request (the same idempotency key) follows the job its first copy follows:
-    the second joins midway and still reads the text from its start; each gets every delta
-    once."""
-    job = _running(redis)
+    """A replayed request (the same idempotency key) follows the job its first copy follows
+    (which admitted it, its stream opened): the second joins midway and still reads the text
+    from its start, the opening entry included (it did not open the stream, so reads it all);
+    each gets every delta once."""
+    job = _running(redis, opened=True)
     with Hub(infra.redis_url) as hub:
-        first = hub.follow(job)
+        first = hub.follow(job, opened=True)
         time.sleep(0.5)
         _write(redis, job, "one ", "two ")
         time.sleep(0.5)  # the first has read those
