@@ -5,7 +5,8 @@ the same script whether the tenant is granted the name it used and what the name
 (``gateway.registry``), so a job costs one read before it is admitted. Nothing read is
 cached: a revoked key, a retired alias, a moved channel take effect on the next request. What
 is kept is the parse of a record's exact text (``PARSED``): the same key and tenant records
-arrive with every request of a tenant, and parsing them was a tenth of the key check's CPU.
+arrive with every request of a tenant (with the adapter's, ``gateway.registry``: 9.7 us a
+request parsed, 0.26 us kept, in a micro-benchmark).
 """
 
 from __future__ import annotations
