@@ -114,38 +114,41 @@ def table(name: str, path: Path, cpu_s: float, top: int) -> Table:
     return result
 
 
+def _seconds(iso: str) -> float:
+    return datetime.datetime.fromisoformat(iso).timestamp()
+
+
 def timeline(result: Run, redis_url: str) -> Table:
     """Where a request's time went, p50 and p90 over the successful ones (ms), from the
     client's clock, the job's record (accepted, claimed: the gateway's and the worker's
     clocks) and its stream (each entry's id is Redis's clock): one machine, one clock."""
-    redis = Redis.from_url(redis_url, decode_responses=True)
     columns: dict[str, list[float]] = collections.defaultdict(list)
     good = [o for o in result.outcomes if o.error is None and o.job_id and o.metadata]
-    for outcome in good:
-        record = json.loads(str(redis.hget(job_key(str(outcome.job_id)), "record")))
-        accepted = datetime.datetime.fromisoformat(record["created_at"]).timestamp()
-        claimed = datetime.datetime.fromisoformat(record["started_at"]).timestamp()
-        finished = datetime.datetime.fromisoformat(record["finished_at"]).timestamp()
-        columns["gateway: sent -> accepted"].append(accepted - outcome.sent_at)
-        columns["admitted -> a worker claimed it"].append(claimed - accepted)
-        if outcome.first_s is not None:
-            entries: Any = redis.xrange(stream_key(str(outcome.job_id)))
-            texts = [int(entry_id.split("-")[0]) / 1000 for entry_id, f in entries if "text" in f]
-            columns["worker: claimed -> first text in Redis"].append(texts[0] - claimed)
-            columns["gateway: first text in Redis -> client"].append(
-                outcome.sent_at + outcome.first_s - texts[0]
-            )
-            columns["client: first text"].append(outcome.first_s)
-        else:
-            columns["worker: claimed -> outcome stored"].append(finished - claimed)
-            columns["gateway: outcome stored -> client"].append(
-                outcome.sent_at + outcome.e2e_s - finished
-            )
-        ttft_ms = outcome.metadata.get("ttft_ms")  # type: ignore[union-attr]
-        if ttft_ms is not None:
-            columns["engine's own: arrival -> first token"].append(ttft_ms / 1000)
-        columns["client: whole request"].append(outcome.e2e_s)
-    redis.close()
+    with Redis.from_url(redis_url, decode_responses=True) as redis:
+        for outcome in good:
+            record = json.loads(str(redis.hget(job_key(str(outcome.job_id)), "record")))
+            accepted = _seconds(record["created_at"])
+            claimed = _seconds(record["started_at"])
+            columns["gateway: sent -> accepted"].append(accepted - outcome.sent_at)
+            columns["admitted -> a worker claimed it"].append(claimed - accepted)
+            if outcome.first_s is not None:
+                entries: Any = redis.xrange(stream_key(str(outcome.job_id)))
+                texts = [int(i.split("-")[0]) / 1000 for i, fields in entries if "text" in fields]
+                columns["worker: claimed -> first text in Redis"].append(texts[0] - claimed)
+                columns["gateway: first text in Redis -> client"].append(
+                    outcome.sent_at + outcome.first_s - texts[0]
+                )
+                columns["client: first text"].append(outcome.first_s)
+            else:
+                finished = _seconds(record["finished_at"])
+                columns["worker: claimed -> outcome stored"].append(finished - claimed)
+                columns["gateway: outcome stored -> client"].append(
+                    outcome.sent_at + outcome.e2e_s - finished
+                )
+            ttft_ms = outcome.metadata.get("ttft_ms")  # type: ignore[union-attr]
+            if ttft_ms is not None:
+                columns["engine's own: arrival -> first token"].append(ttft_ms / 1000)
+            columns["client: whole request"].append(outcome.e2e_s)
     out = Table(title=f"where a request's time went ({len(good)} requests, ms)")
     for heading in ("", "p50", "p90"):
         out.add_column(heading, justify="left" if not heading else "right")
