@@ -145,9 +145,14 @@ def timeline(result: Run, redis_url: str) -> Table:
                 columns["gateway: outcome stored -> client"].append(
                     outcome.sent_at + outcome.e2e_s - finished
                 )
-            ttft_ms = outcome.metadata.get("ttft_ms")  # type: ignore[union-attr]
-            if ttft_ms is not None:
-                columns["engine's own: arrival -> first token"].append(ttft_ms / 1000)
+            metadata: dict[str, Any] = outcome.metadata  # type: ignore[assignment]
+            for field, name in (
+                ("to_engine_ms", "worker: claimed -> in the engine"),
+                ("slot_wait_ms", "  of it, waiting for an adapter slot"),
+                ("ttft_ms", "engine's own: arrival -> first token"),
+            ):
+                if metadata.get(field) is not None:
+                    columns[name].append(metadata[field] / 1000)
             columns["client: whole request"].append(outcome.e2e_s)
     out = Table(title=f"where a request's time went ({len(good)} requests, ms)")
     for heading in ("", "p50", "p90"):

@@ -204,6 +204,17 @@ class ResultMetadata(BaseModel):
     )
     load_ms: LoadTimings
     queue_wait_ms: float
+    slot_wait_ms: float | None = Field(
+        default=None,
+        description="how long the job waited on its worker for a GPU adapter slot (one of "
+        "`max_loras`, taken by requests of other adapters); none where it never asked for one",
+    )
+    to_engine_ms: float | None = Field(
+        default=None,
+        description="from the worker's start of the job to its request's arrival in the "
+        "engine (the moment `ttft_ms` counts from): staging and loading its adapter "
+        "(`load_ms`), the slot wait, the hand-over to the engine; none where it never got there",
+    )
     ttft_ms: float | None
     e2e_ms: float
     worker: str

@@ -57,6 +57,19 @@ class Generation:
     loaded_digest: str
 
 
+@dataclass
+class EngineEntry:
+    """When a job got to the engine, measured on the worker (None: it did not get there)."""
+
+    started: float
+    """``time.time()`` at the job's start on this worker."""
+    slot_wait_ms: float | None = None
+    to_engine_ms: float | None = None
+
+    def arrived(self) -> None:
+        self.to_engine_ms = round((time.time() - self.started) * 1000, 3)
+
+
 def _check_deadline(message: JobMessage, doing: str) -> None:
     if time.time() >= message.deadline_at:
         raise JobFailure(
@@ -137,6 +150,7 @@ class JobRunner:
         self, message: JobMessage, running: Running, last_chance: bool = False
     ) -> tuple[JobResult, ResultMetadata]:
         started = time.time()
+        entry = EngineEntry(started)
         timings = LoadTimings()
         residency: Residency = "unknown"
         prefetched = False
@@ -165,18 +179,18 @@ class JobRunner:
                 running.check()
                 _check_deadline(message, "waited for its adapter")
                 generation = self._generate_unless_stopped(
-                    message, staged, timings, running, last_chance
+                    message, staged, timings, entry, running, last_chance
                 )
         except EngineFailed:
             raise JobStopped(StopReason.ENGINE_FAILED) from None
         except JobFailure as failure:
             failure.metadata = self._metadata(
-                message, started, residency, timings, None, None, prefetched
+                message, entry, residency, timings, None, None, prefetched
             )
             raise
         metadata = self._metadata(
             message,
-            started,
+            entry,
             residency,
             timings,
             generation.loaded_digest,
@@ -188,7 +202,7 @@ class JobRunner:
     def _metadata(
         self,
         message: JobMessage,
-        started: float,
+        entry: EngineEntry,
         residency: Residency,
         timings: LoadTimings,
         loaded_digest: str | None,
@@ -204,7 +218,9 @@ class JobRunner:
             residency_before=residency,
             prefetched=prefetched,
             load_ms=timings,
-            queue_wait_ms=round((started - message.accepted_at) * 1000, 3),
+            queue_wait_ms=round((entry.started - message.accepted_at) * 1000, 3),
+            slot_wait_ms=entry.slot_wait_ms,
+            to_engine_ms=entry.to_engine_ms,
             ttft_ms=ttft_ms,
             e2e_ms=round((time.time() - message.accepted_at) * 1000, 3),
             worker=self._hostname,
@@ -218,6 +234,7 @@ class JobRunner:
         message: JobMessage,
         staged: Staged,
         timings: LoadTimings,
+        entry: EngineEntry,
         running: Running,
         last_chance: bool,
     ) -> Generation:
@@ -226,7 +243,7 @@ class JobRunner:
             self._deltas.open(message.job_id, running.attempt)
         try:
             future = self._host.submit(
-                self._generate_by_deadline(message, staged, timings, running, last_chance)
+                self._generate_by_deadline(message, staged, timings, entry, running, last_chance)
             )
         except BaseException:
             self._deltas.discard(message.job_id, running.attempt)
@@ -267,6 +284,7 @@ class JobRunner:
         message: JobMessage,
         staged: Staged,
         timings: LoadTimings,
+        entry: EngineEntry,
         running: Running,
         last_chance: bool,
     ) -> Generation:
@@ -278,10 +296,12 @@ class JobRunner:
 
         async def slotted() -> Generation:
             nonlocal doing
+            asked = time.perf_counter()
             async with (
                 self._alone_if_last_chance(last_chance),
                 self._adapters.slot(staged.request),
             ):
+                entry.slot_wait_ms = round((time.perf_counter() - asked) * 1000, 3)
                 # A job let in after its engine died (a waiter woken as the dying job left)
                 # never ran under it: it must not count that death against itself.
                 self._host.check_serving()
@@ -295,7 +315,9 @@ class JobRunner:
                     )
                 doing = "generating"
                 running.in_engine = True
-                result, ttft_ms = await self._generate(message, resident.request, running.attempt)
+                result, ttft_ms = await self._generate(
+                    message, resident.request, running.attempt, entry
+                )
                 return Generation(result, ttft_ms, resident.loaded_digest)
 
         try:
@@ -317,7 +339,7 @@ class JobRunner:
             raise
 
     async def _generate(
-        self, message: JobMessage, lora: LoRARequest, attempt: int
+        self, message: JobMessage, lora: LoRARequest, attempt: int, entry: EngineEntry
     ) -> tuple[JobResult, float | None]:
         # Unique per attempt: a redelivered job must not collide with a stale engine request.
         request_id = f"{message.job_id}-{uuid.uuid4().hex[:8]}"
@@ -330,6 +352,7 @@ class JobRunner:
         prompt_token_ids: list[int] = []
         token_ids: list[int] = []
         text: list[str] = []
+        entry.arrived()
         outputs = self._host.engine.generate(
             {"prompt": message.prompt}, params, request_id, lora_request=lora, **options
         )

@@ -100,6 +100,11 @@ def test_metadata_timings_are_consistent(
     assert meta.queue_wait_ms >= 0
     assert meta.ttft_ms is not None and meta.ttft_ms >= 0
     assert meta.e2e_ms >= meta.queue_wait_ms
+    # Every job asks for a slot before it enters the engine; both are measured on the worker,
+    # after its start, before its end (0.002 ms: each figure is rounded to a microsecond).
+    assert meta.slot_wait_ms is not None and meta.to_engine_ms is not None
+    assert 0 <= meta.slot_wait_ms <= meta.to_engine_ms
+    assert meta.queue_wait_ms + meta.to_engine_ms <= meta.e2e_ms + 0.002
     assert meta.engine.name == "vllm" and meta.engine.version
     assert meta.worker
     assert job.result.usage.completion_tokens == len(job.result.token_ids) == 4

@@ -183,6 +183,7 @@ def test_tampered_cold_adapter_fails_closed_and_leaves_no_file(
     assert job.metadata.identity_verified is False
     assert job.metadata.loaded_digest is None
     assert job.metadata.load_ms.engine_load is None  # the engine was never asked to load it
+    assert job.metadata.slot_wait_ms is None and job.metadata.to_engine_ms is None
     cache_dir = stack.state_dir / "cache"
     assert not (cache_dir / "adapters" / record.digest.removeprefix("sha256:")).exists()
     assert list((cache_dir / "tmp").iterdir()) == []
