@@ -5,8 +5,7 @@ spread over more distinct adapters than either. vLLM logs (at DEBUG) each activa
 adapter into a GPU slot ("Activating LoRA") and each adapter it adds to its CPU cache, read
 from disk ("Adding lora"); this counts both per job, for a worker running the code of
 ``--before`` (a git revision, checked out in a temporary worktree) and for this checkout's,
-and for this checkout's with ``LORAFLEET_SLOT_BYPASS_JOBS=0`` (strict first-in-first-out),
-alternating A B C A B C in one run with the same gateway, Redis, S3 and jobs.
+alternating A B A B in one run with the same gateway, Redis, S3 and jobs.
 
     .venv/bin/python benchmarks/slot_thrash.py --before HEAD~1 [--jobs 240 --adapters 8]
         [--rate 4]   (jobs arriving one by one while others run, instead of one batch)
@@ -152,7 +151,6 @@ def main() -> None:
     arms: dict[str, dict[str, str]] = {
         "before": {"PYTHONPATH": str(before)},
         "after": {},
-        "after, strict FIFO": {"LORAFLEET_SLOT_BYPASS_JOBS": "0"},
     }
     results: dict[str, list[dict[str, Any]]] = {label: [] for label in arms}
     try:

@@ -34,12 +34,6 @@ class WorkerSettings(ServiceSettings):
     max_cpu_loras: int = Field(
         default=8, ge=1, description="Adapters kept registered in the engine's CPU cache."
     )
-    slot_bypass_jobs: int = Field(
-        default=64,
-        ge=0,
-        description="Jobs for adapters already in flight that may join them ahead of a job "
-        "waiting for a GPU adapter slot (0: strict first-in-first-out).",
-    )
     max_lora_rank: int = Field(
         default=8, description="Largest adapter rank served (one of the ranks vLLM accepts)."
     )

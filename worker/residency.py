@@ -64,18 +64,20 @@ class SlotGate:
     adapters then has no slot for one of them and the engine fails. Keeping in-flight unpinned
     adapters at ``max_loras - pinned`` makes every step fit.
 
-    Waiters are let in oldest first until one does not fit (which keeps its place). A job
-    for an adapter already in flight joins it at once (same adapter, same step: batching
-    costs no slot), but while a job waits at the head of the queue only ``bypass_limit``
-    such joiners may pass it; later ones queue behind it (a job further back can be passed
-    that many times for each job ahead of it). Queued jobs for adapters in flight join them the
-    same way each time waiters are let in (within the same bound), so a burst that queued
-    them keeps the engine's batch full. A steady stream of jobs for the adapters holding
-    the slots then delays a job for another adapter by at most that many jobs for each
-    waiter ahead of it, never for good (strict first-in-first-out, a limit of 0, cost
-    30-40% throughput and doubled GPU-slot activations on a burst of 240 jobs over 8
-    adapters and 2 slots in
-    ``benchmarks/slot_thrash.py``: jobs of one adapter no longer shared its slot).
+    Waiters are let in oldest first until one does not fit (which keeps its place). While a
+    job waits for a slot, the adapter that has held its slot longest *drains*: it takes no
+    more jobs, its requests in the engine run out, and its slot goes to the waiter. Every
+    other adapter in flight takes every job for it at once, arriving or queued (same adapter,
+    same step: batching costs no slot), as vLLM's own scheduler does; an adapter let in from
+    the queue takes its whole backlog with it. So the job at the head waits for the requests
+    the draining adapter had in the engine when it came, never for later ones (a popular
+    adapter never starves a rare one), a job further back for one drain per job of another
+    adapter ahead of it, and the engine's batch holds every job whose adapter has a slot
+    but the draining adapter's newcomers.
+
+    Until 2026-12-06 every adapter in flight took at most ``LORAFLEET_SLOT_BYPASS_JOBS`` (64)
+    joiners past a waiter, then none: of 256 requests at once over 8 adapters and 4 slots,
+    ~68 entered the engine at first, where vLLM's scheduler takes the 128 of its 4 adapters.
 
     Lives on the engine loop: a job waiting for a slot is a coroutine there, let in on the loop
     iteration that frees the slot (no job thread has to wake up first, which at a wave of
@@ -83,41 +85,56 @@ class SlotGate:
     while it waits.
     """
 
-    def __init__(self, capacity: int, bypass_limit: int = 0) -> None:
+    def __init__(self, capacity: int) -> None:
         self._capacity = capacity
-        self._bypass_limit = bypass_limit
+        # Jobs in flight per adapter, in the order the adapters took their slots (a dict keeps
+        # insertion order; an adapter that drained and comes back is the newest again).
         self._active: Counter[int] = Counter()
         self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
-        self._passed = 0  # joiners let in ahead of the oldest waiter
 
     def _fits(self, lora_id: int) -> bool:
         return lora_id in self._active or len(self._active) < self._capacity
 
+    def _draining(self) -> int | None:
+        """The adapter giving its slot to the job waiting at the head: the one that has held
+        its slot longest, while a job waits (none otherwise)."""
+        while self._waiting and self._waiting[0][1].done():  # cancelled while it waited
+            self._waiting.popleft()
+        return next(iter(self._active), None) if self._waiting else None
+
+    def _joins(self, lora_id: int) -> bool:
+        """A job for an adapter in flight joins it at once unless that adapter drains."""
+        return lora_id in self._active and lora_id != self._draining()
+
     def _admit(self) -> None:
         """Let waiters in, oldest first, until one does not fit; then, while that one waits,
-        the queued jobs for adapters in flight, up to the bypass bound (as if they arrived
-        now: a burst queues them behind the first job that did not fit, and left there, the
-        engine would run one adapter's jobs at a time while the others drain)."""
+        the queued jobs for adapters in flight but the draining one (as if they arrived now:
+        a burst queues them behind the first job that did not fit, and left there, the
+        engine would run one adapter's jobs at a time while the others drain), and all the
+        queued jobs of an adapter given its slot just now, the draining one included (its
+        backlog is bounded: it queued before; with one slot, the adapter let in is the one
+        that drains next, and without this it would run a single job per slot it takes)."""
+        activated: set[int] = set()  # adapters given a slot now: they take their backlog
         while self._waiting:
             lora_id, entry = self._waiting[0]
             if entry.done():  # cancelled while it waited
                 self._waiting.popleft()
-                self._passed = 0
                 continue
             if not self._fits(lora_id):
                 break
             self._waiting.popleft()
-            self._passed = 0  # a new oldest waiter
+            if lora_id not in self._active:
+                activated.add(lora_id)
             self._active[lora_id] += 1
             entry.set_result(None)
-        if not self._waiting or self._passed >= self._bypass_limit:
+        draining = self._draining()
+        if draining is None:
             return
         kept: deque[tuple[int, asyncio.Future[None]]] = deque()
         for lora_id, entry in self._waiting:  # the head does not fit: not in flight
             if entry.done():
                 continue
-            if lora_id in self._active and self._passed < self._bypass_limit:
-                self._passed += 1
+            if lora_id in self._active and (lora_id != draining or lora_id in activated):
                 self._active[lora_id] += 1
                 entry.set_result(None)
             else:
@@ -158,10 +175,7 @@ class SlotGate:
 
     @asynccontextmanager
     async def slot(self, lora_id: int) -> AsyncIterator[None]:
-        if not self._waiting and self._fits(lora_id):
-            self._active[lora_id] += 1
-        elif lora_id in self._active and self._passed < self._bypass_limit:
-            self._passed += 1
+        if (self._draining() is None and self._fits(lora_id)) or self._joins(lora_id):
             self._active[lora_id] += 1
         else:
             entry = asyncio.get_running_loop().create_future()
@@ -223,7 +237,6 @@ class EngineAdapters:
         host: EngineHost,
         cache: AdapterCache,
         max_loras: int,
-        slot_bypass_jobs: int = 0,
         max_cpu_loras: int | None = None,
     ) -> None:
         self._host = host
@@ -240,7 +253,7 @@ class EngineAdapters:
         self._pinned_users: Counter[int] = Counter()  # on the engine loop
         self._loading: dict[str, asyncio.Lock] = {}  # on the engine loop
         self._refused: dict[str, str] = {}  # digest -> the engine's refusal, oldest first
-        self._gate = SlotGate(max_loras, slot_bypass_jobs)
+        self._gate = SlotGate(max_loras)
         self._listing = SharedQuestion(lambda: self._host.engine.list_loras())
         # The engine's last answer, kept while nothing that could change it happened since.
         self._known: set[int] | None = None

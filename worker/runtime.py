@@ -126,7 +126,6 @@ class WorkerRuntime:
             self.host,
             self.cache,
             settings.max_loras,
-            settings.slot_bypass_jobs,
             max_cpu_loras=settings.max_cpu_loras,
         )
         self.prefetcher: Prefetcher | NoPrefetch = NoPrefetch()

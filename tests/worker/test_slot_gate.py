@@ -96,13 +96,13 @@ async def _enter(gate: SlotGate, adapter: int) -> None:
         pass
 
 
-def _popular_stream_then_rare(bypass_limit: int) -> tuple[list[str], int]:
-    """A stream of jobs for adapter 1, each starting while the one before holds the slot,
-    and one job for adapter 2 among them: the order they entered in, and how many had
+def _popular_stream_then_rare() -> tuple[list[str], int]:
+    """A stream of jobs for adapter 1, each starting while the one before holds the only
+    slot, and one job for adapter 2 among them: the order they entered in, and how many had
     entered when the rare one asked for a slot."""
 
     async def main() -> tuple[list[str], int]:
-        gate = SlotGate(capacity=1, bypass_limit=bypass_limit)
+        gate = SlotGate(capacity=1)
         order: list[str] = []
         started = 0
         entered_before = -1
@@ -139,19 +139,49 @@ def _popular_stream_then_rare(bypass_limit: int) -> tuple[list[str], int]:
 
 
 def test_a_waiter_is_not_starved_by_later_jobs_for_adapters_in_flight() -> None:
-    """Strict first in, first out (no bypass): later jobs for the adapter holding the slot
-    queue behind a waiting job instead of joining it."""
-    order, arrived_after = _popular_stream_then_rare(bypass_limit=0)
-    assert order.index("rare") == arrived_after
+    """The adapter holding the slot drains while another waits: later jobs for it queue
+    behind the waiting job instead of joining it, and the waiter enters as soon as the jobs
+    in flight when it came have ended."""
+    order, arrived_after = _popular_stream_then_rare()
+    assert order.index("rare") == arrived_after, order
     assert len(order) > arrived_after + 1, "popular jobs that came later ran after it"
 
 
-def test_jobs_that_join_ahead_of_a_waiter_are_bounded() -> None:
-    """With a bypass limit, up to that many later jobs for the adapter in flight join it
-    ahead of the waiting job (batching), and no more."""
-    order, arrived_after = _popular_stream_then_rare(bypass_limit=5)
-    assert order.index("rare") == arrived_after + 5
-    assert len(order) > arrived_after + 6
+def test_only_the_adapter_holding_its_slot_longest_drains_for_a_waiter() -> None:
+    """Two slots held by adapters 1 (first) and 2; a job for adapter 3 waits. A later job for
+    adapter 2 joins it at once (the engine batches it: no slot is spent), a later one for
+    adapter 1 queues: adapter 1's slot is the one the waiter gets when its jobs end."""
+
+    async def main() -> None:
+        gate = SlotGate(capacity=2)
+        entered: list[str] = []
+        ends = {name: asyncio.Event() for name in ("a1", "b1", "c1", "a2", "b2")}
+
+        async def job(name: str, adapter: int) -> None:
+            async with gate.slot(adapter):
+                entered.append(name)
+                await ends[name].wait()
+
+        tasks = [asyncio.create_task(job("a1", 1))]
+        await asyncio.sleep(0.01)
+        tasks.append(asyncio.create_task(job("b1", 2)))
+        await asyncio.sleep(0.01)
+        for name, adapter in (("c1", 3), ("a2", 1), ("b2", 2)):
+            tasks.append(asyncio.create_task(job(name, adapter)))
+            await asyncio.sleep(0.01)
+        assert entered == ["a1", "b1", "b2"], entered  # b2 joined; c1 and a2 wait
+        ends["a1"].set()  # adapter 1 drained: its slot goes to c1, not to a2
+        await asyncio.sleep(0.01)
+        assert entered == ["a1", "b1", "b2", "c1"], entered
+        for name in ("b1", "b2"):  # adapter 2 drained in turn: a2 gets its slot
+            ends[name].set()
+        await asyncio.sleep(0.01)
+        assert entered == ["a1", "b1", "b2", "c1", "a2"], entered
+        for event in ends.values():
+            event.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+    asyncio.run(main())
 
 
 def test_a_job_admitted_by_the_gate_and_cancelled_before_it_ran_frees_its_slot() -> None:
@@ -170,13 +200,14 @@ def test_a_job_admitted_by_the_gate_and_cancelled_before_it_ran_frees_its_slot()
 
 
 def _queued_behind_a_held_slot(
-    bypass_limit: int, order: tuple[tuple[str, int], ...]
+    order: tuple[tuple[str, int], ...], later: tuple[tuple[str, int], ...] = ()
 ) -> tuple[list[str], list[str]]:
     """Jobs ``order`` ((name, adapter), each holding its slot until the end) queued while
-    adapter 1 holds the only slot: who was let in once adapter 1 drained, and in all."""
+    adapter 1 holds the only slot, and ``later`` ones asking once adapter 1 drained: who was
+    let in once it drained (before ``later`` came), and in all."""
 
     async def main() -> tuple[list[str], list[str]]:
-        gate = SlotGate(capacity=1, bypass_limit=bypass_limit)
+        gate = SlotGate(capacity=1)
         let_in: list[str] = []
         release = asyncio.Event()
 
@@ -191,6 +222,9 @@ def _queued_behind_a_held_slot(
             assert let_in == []  # all wait: adapter 1 holds the only slot
         await asyncio.sleep(0.01)
         drained = list(let_in)
+        for name, adapter in later:
+            queued.append(asyncio.create_task(job(name, adapter)))
+        await asyncio.sleep(0.01)
         release.set()
         await asyncio.wait_for(asyncio.gather(*queued), 5)
         return drained, let_in
@@ -200,22 +234,23 @@ def _queued_behind_a_held_slot(
 
 def test_queued_jobs_for_an_adapter_let_in_join_it_without_waiting_for_another_slot() -> None:
     """A burst queues jobs of many adapters behind one that waits for a slot. When a slot
-    frees and the head is let in, the queued jobs of the adapters now in flight join them
-    (within the bypass bound), as jobs arriving then would: otherwise every later job waits
-    for one adapter at a time to drain, and the engine runs a handful of requests where it
-    could batch hundreds (vs_vllm_serve at 256 at once: 0.3x of vLLM's server)."""
-    drained, let_in = _queued_behind_a_held_slot(10, (("b1", 2), ("c1", 3), ("b2", 2)))
-    assert drained == ["b1", "b2"], drained  # b2 joins adapter 2 in flight, past c1
-    assert let_in == ["b1", "b2", "c1"]
+    frees and the head is let in, the queued jobs of its adapter join it, although with one
+    slot it is the adapter that drains next: otherwise each adapter would run one job per
+    slot it takes, and the engine a handful of requests where it could batch hundreds
+    (vs_vllm_serve at 256 at once: 0.3x of vLLM's server with such a gate)."""
+    drained, let_in = _queued_behind_a_held_slot((("b1", 2), ("c1", 3), ("b2", 2), ("c2", 3)))
+    assert drained == ["b1", "b2"], drained  # b2 joins adapter 2 let in, past c1
+    assert let_in == ["b1", "b2", "c1", "c2"], let_in  # c2 came with c1
 
 
-def test_queued_joiners_stay_within_the_bypass_bound() -> None:
-    """The joiners let in from the queue count against the bound like those arriving: past
-    it, they keep their place behind the job waiting for a slot."""
-    order = (("b1", 2), ("c1", 3), ("b2", 2), ("b3", 2), ("b4", 2))
-    drained, let_in = _queued_behind_a_held_slot(2, order)
-    assert drained == ["b1", "b2", "b3"], drained  # 2 joiners passed c1; b4 keeps its place
-    assert let_in == ["b1", "b2", "b3", "c1", "b4"], let_in
+def test_a_job_for_the_draining_adapter_that_came_after_its_backlog_waits() -> None:
+    """An adapter let in takes its backlog, not what comes after: with a job of another
+    adapter waiting, its later jobs queue behind that job (no popular adapter keeps the slot
+    for good)."""
+    order = (("b1", 2), ("c1", 3), ("b2", 2))
+    drained, let_in = _queued_behind_a_held_slot(order, later=(("b3", 2),))
+    assert drained == ["b1", "b2"], drained
+    assert let_in == ["b1", "b2", "c1", "b3"], let_in
 
 
 def test_a_queued_joiner_let_in_and_cancelled_before_it_ran_frees_what_it_held() -> None:
@@ -223,7 +258,7 @@ def test_a_queued_joiner_let_in_and_cancelled_before_it_ran_frees_what_it_held()
     DELETE): it releases its share of the adapter once, and the waiter behind gets in."""
 
     async def main() -> None:
-        gate = SlotGate(capacity=1, bypass_limit=10)
+        gate = SlotGate(capacity=1)
         let_in: list[str] = []
         release_b1 = asyncio.Event()
 
@@ -239,8 +274,8 @@ def test_a_queued_joiner_let_in_and_cancelled_before_it_ran_frees_what_it_held()
             b2 = asyncio.create_task(job("b2", 2))
             await asyncio.sleep(0.01)
             assert let_in == []
-        # Adapter 1 drained: b1 let in, and b2 by the scan (c1 waits). b2 is cancelled in
-        # the same step, before it resumed.
+        # Adapter 1 drained: b1 let in, and b2 with it, its backlog (c1 waits). b2 is
+        # cancelled in the same step, before it resumed.
         b2.cancel()
         await asyncio.gather(b2, return_exceptions=True)
         await asyncio.sleep(0.01)
