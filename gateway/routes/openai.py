@@ -391,6 +391,7 @@ async def _events(
 
     if kind.opening is not None:
         yield chunk(kind.opening)
+    done = _sse("[DONE]")
     try:
         async for item in call.streams.follow(job, timeout_s, opened):
             if isinstance(item, str):
@@ -403,9 +404,14 @@ async def _events(
                 yield _error_event(_job_error(item, job.id, timeout_s))
                 break
             last = kind.delta("") | {"finish_reason": ending.finish_reason}
-            yield chunk(last, lorafleet=info_of(item).model_dump(mode="json"))
+            end = chunk(last, lorafleet=info_of(item).model_dump(mode="json"))
             if body.include_usage:
-                yield chunk(None, usage=ending.usage.model_dump())
+                end += chunk(None, usage=ending.usage.model_dump())
+            # The last events in one write: each write crosses every middleware and the
+            # socket. The loop runs on: the job is the follower's last item, and a follower
+            # left unfinished is closed by a task of its own.
+            yield end + done
+            done = b""
     except StreamDiverged:
         yield _error_event(
             ApiError(
@@ -424,4 +430,5 @@ async def _events(
         # server cancels this generator) or closed the stream. Nobody reads on: cancel it.
         _abandon(call, job)
         raise
-    yield _sse("[DONE]")
+    if done:
+        yield done

@@ -1,0 +1,89 @@
+"""The SSE body of a streamed completion, written by ``gateway.routes.openai._events``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+from contracts.jobs import JobPublic, JobResult, JobStatus, Usage
+from gateway.openai_schemas import CompletionCreate
+from gateway.routes import openai
+from tests.helpers import new_job
+
+
+class _Follower:
+    """A stream hub whose follower yields ``items`` (text deltas, then the job)."""
+
+    def __init__(self, items: list[str | JobPublic]) -> None:
+        self._items = items
+
+    async def follow(
+        self, job: JobPublic, timeout_s: float, opened: bool = False
+    ) -> AsyncIterator[str | JobPublic]:
+        for item in self._items:
+            yield item
+
+
+def _writes(items: list[str | JobPublic], include_usage: bool) -> list[bytes]:
+    job = new_job(status=JobStatus.RUNNING)
+    body = CompletionCreate.model_validate(
+        {"model": "a", "prompt": "hi", "stream": True}
+        | ({"stream_options": {"include_usage": True}} if include_usage else {})
+    )
+    call: Any = SimpleNamespace(streams=_Follower(items))
+
+    async def collect() -> list[bytes]:
+        events = openai._events(call, job, body, openai._TEXT, 0, 60.0, True)
+        return [write async for write in events]
+
+    return asyncio.run(collect())
+
+
+def _events_of(write: bytes) -> list[str]:
+    return [event for event in write.decode().split("\n\n") if event]
+
+
+def _finished(job: JobPublic) -> JobPublic:
+    result = JobResult(
+        text="hello",
+        token_ids=[1, 2],
+        finish_reason="length",
+        usage=Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3),
+    )
+    return job.model_copy(update={"status": JobStatus.SUCCEEDED, "result": result})
+
+
+def test_the_last_chunk_usage_and_done_leave_in_one_write() -> None:
+    """Each write crosses every ASGI middleware and the socket: the text goes as it comes,
+    one write per delta, and the stream's end (finish reason, usage, ``[DONE]``) in one."""
+    done = _finished(new_job(status=JobStatus.RUNNING))
+    writes = _writes(["hel", "lo", done], include_usage=True)
+    assert len(writes) == 3, writes
+    texts = [json.loads(_events_of(w)[0].removeprefix("data: "))["choices"][0] for w in writes[:2]]
+    assert [t["text"] for t in texts] == ["hel", "lo"]
+    last, usage, end = _events_of(writes[2])
+    assert json.loads(last.removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    assert json.loads(usage.removeprefix("data: "))["usage"]["total_tokens"] == 3
+    assert end == "data: [DONE]"
+
+
+def test_without_usage_the_end_is_the_last_chunk_and_done() -> None:
+    done = _finished(new_job(status=JobStatus.RUNNING))
+    writes = _writes(["hello", done], include_usage=False)
+    assert len(writes) == 2, writes
+    last, end = _events_of(writes[1])
+    assert json.loads(last.removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    assert end == "data: [DONE]"
+
+
+def test_a_failed_job_ends_with_its_error_event_then_done() -> None:
+    failed = new_job(status=JobStatus.FAILED)
+    writes = _writes(["par", failed], include_usage=True)
+    events = [event for write in writes for event in _events_of(write)]
+    assert len(events) == 3, events
+    assert '"error"' in events[1]
+    assert events[2] == "data: [DONE]"
+    assert sum(write.count(b"[DONE]") for write in writes) == 1
