@@ -202,7 +202,7 @@ def main() -> None:
     table = Table(
         title=f"{args.jobs} jobs x {args.new_tokens} tokens over {args.adapters} adapters, "
         f"max_loras {args.max_loras}, max_cpu_loras {args.max_cpu_loras}; "
-        f"before = {args.before}, {args.rounds} rounds A B C; "
+        f"before = {args.before}, {args.rounds} rounds A B; "
         + (f"Poisson arrivals at {args.rate}/s" if args.rate > 0 else "one batch")
     )
     for column in (

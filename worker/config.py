@@ -34,6 +34,13 @@ class WorkerSettings(ServiceSettings):
     max_cpu_loras: int = Field(
         default=8, ge=1, description="Adapters kept registered in the engine's CPU cache."
     )
+    slot_drain_after_s: float = Field(
+        default=0.5,
+        ge=0,
+        description="How long a job may wait for a GPU adapter slot before the adapter that "
+        "has held its slot longest stops taking new jobs so that its slot frees (until then "
+        "jobs of adapters in flight join them at once, as in vLLM's scheduler).",
+    )
     max_lora_rank: int = Field(
         default=8, description="Largest adapter rank served (one of the ranks vLLM accepts)."
     )

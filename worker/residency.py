@@ -15,7 +15,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from vllm.lora.request import LoRARequest
 from vllm.v1.engine.exceptions import EngineDeadError
@@ -56,6 +56,13 @@ class Staged:
     verified_digest: str | None
 
 
+class _Waiter(NamedTuple):
+    lora_id: int
+    entry: asyncio.Future[None]
+    since: float
+    """The gate's clock when the job asked for a slot."""
+
+
 class SlotGate:
     """Bounds the distinct unpinned adapters with requests in the engine at once.
 
@@ -64,16 +71,17 @@ class SlotGate:
     adapters then has no slot for one of them and the engine fails. Keeping in-flight unpinned
     adapters at ``max_loras - pinned`` makes every step fit.
 
-    Waiters are let in oldest first until one does not fit (which keeps its place). While a
-    job waits for a slot, the adapter that has held its slot longest *drains*: it takes no
-    more jobs, its requests in the engine run out, and its slot goes to the waiter. Every
-    other adapter in flight takes every job for it at once, arriving or queued (same adapter,
-    same step: batching costs no slot), as vLLM's own scheduler does; an adapter let in from
-    the queue takes its whole backlog with it. So the job at the head waits for the requests
-    the draining adapter had in the engine when it came, never for later ones (a popular
-    adapter never starves a rare one), a job further back for one drain per job of another
-    adapter ahead of it, and the engine's batch holds every job whose adapter has a slot
-    but the draining adapter's newcomers.
+    Waiters are let in oldest first until one does not fit (which keeps its place). A job
+    for an adapter in flight joins it at once, arriving or queued (same adapter, same step:
+    batching costs no slot), as vLLM's own scheduler lets it, and an adapter let in from the
+    queue takes its whole backlog with it. That alone starves a rare adapter behind popular
+    ones that never run out of jobs; so once the job at the head has waited ``drain_after_s``,
+    the adapter that has held its slot longest *drains*: it takes no more jobs, its requests
+    in the engine run out, and its slot goes to the waiter. The job at the head waits at most
+    ``drain_after_s`` plus the time the draining adapter's requests then in the engine take,
+    a job further back one such drain per job of another adapter ahead of it, and the
+    engine's batch holds every job whose adapter has a slot but the draining adapter's
+    newcomers.
 
     Until 2026-12-06 every adapter in flight took at most ``LORAFLEET_SLOT_BYPASS_JOBS`` (64)
     joiners past a waiter, then none: of 256 requests at once over 8 adapters and 4 slots,
@@ -85,26 +93,39 @@ class SlotGate:
     while it waits.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        drain_after_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._capacity = capacity
+        self._drain_after_s = drain_after_s
+        self._clock = clock
         # Jobs in flight per adapter, in the order the adapters took their slots (a dict keeps
         # insertion order; an adapter that drained and comes back is the newest again).
         self._active: Counter[int] = Counter()
-        self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self._waiting: deque[_Waiter] = deque()
 
     def _fits(self, lora_id: int) -> bool:
         return lora_id in self._active or len(self._active) < self._capacity
 
     def _draining(self) -> int | None:
         """The adapter giving its slot to the job waiting at the head: the one that has held
-        its slot longest, while a job waits (none otherwise)."""
-        while self._waiting and self._waiting[0][1].done():  # cancelled while it waited
+        its slot longest, once that job has waited ``drain_after_s`` (none before)."""
+        while self._waiting and self._waiting[0].entry.done():  # cancelled while it waited
             self._waiting.popleft()
-        return next(iter(self._active), None) if self._waiting else None
+        if not self._waiting or self._clock() - self._waiting[0].since < self._drain_after_s:
+            return None
+        return next(iter(self._active), None)
 
-    def _joins(self, lora_id: int) -> bool:
-        """A job for an adapter in flight joins it at once unless that adapter drains."""
-        return lora_id in self._active and lora_id != self._draining()
+    def _may_enter(self, lora_id: int) -> bool:
+        """With nobody waiting, if it fits; else only to join its adapter in flight, unless
+        that adapter drains."""
+        draining = self._draining()  # drops the cancelled waiters at the head
+        if not self._waiting:
+            return self._fits(lora_id)
+        return lora_id in self._active and lora_id != draining
 
     def _admit(self) -> None:
         """Let waiters in, oldest first, until one does not fit; then, while that one waits,
@@ -116,7 +137,7 @@ class SlotGate:
         that drains next, and without this it would run a single job per slot it takes)."""
         activated: set[int] = set()  # adapters given a slot now: they take their backlog
         while self._waiting:
-            lora_id, entry = self._waiting[0]
+            lora_id, entry, _ = self._waiting[0]
             if entry.done():  # cancelled while it waited
                 self._waiting.popleft()
                 continue
@@ -127,18 +148,19 @@ class SlotGate:
                 activated.add(lora_id)
             self._active[lora_id] += 1
             entry.set_result(None)
-        draining = self._draining()
-        if draining is None:
+        if not self._waiting:
             return
-        kept: deque[tuple[int, asyncio.Future[None]]] = deque()
-        for lora_id, entry in self._waiting:  # the head does not fit: not in flight
+        draining = self._draining()
+        kept: deque[_Waiter] = deque()
+        for waiter in self._waiting:  # the head does not fit: not in flight
+            lora_id, entry, _ = waiter
             if entry.done():
                 continue
             if lora_id in self._active and (lora_id != draining or lora_id in activated):
                 self._active[lora_id] += 1
                 entry.set_result(None)
             else:
-                kept.append((lora_id, entry))
+                kept.append(waiter)
         self._waiting = kept
 
     def _release(self, lora_id: int) -> None:
@@ -159,7 +181,7 @@ class SlotGate:
     @property
     def waiting(self) -> int:
         """Jobs waiting for a slot now (on the engine loop)."""
-        return sum(1 for _, entry in self._waiting if not entry.done())
+        return sum(1 for waiter in self._waiting if not waiter.entry.done())
 
     @property
     def has_idle_slot(self) -> bool:
@@ -175,11 +197,11 @@ class SlotGate:
 
     @asynccontextmanager
     async def slot(self, lora_id: int) -> AsyncIterator[None]:
-        if (self._draining() is None and self._fits(lora_id)) or self._joins(lora_id):
+        if self._may_enter(lora_id):
             self._active[lora_id] += 1
         else:
             entry = asyncio.get_running_loop().create_future()
-            self._waiting.append((lora_id, entry))
+            self._waiting.append(_Waiter(lora_id, entry, self._clock()))
             try:
                 await entry
             except asyncio.CancelledError:
@@ -238,6 +260,7 @@ class EngineAdapters:
         cache: AdapterCache,
         max_loras: int,
         max_cpu_loras: int | None = None,
+        slot_drain_after_s: float = 0.0,
     ) -> None:
         self._host = host
         self._cache = cache
@@ -253,7 +276,7 @@ class EngineAdapters:
         self._pinned_users: Counter[int] = Counter()  # on the engine loop
         self._loading: dict[str, asyncio.Lock] = {}  # on the engine loop
         self._refused: dict[str, str] = {}  # digest -> the engine's refusal, oldest first
-        self._gate = SlotGate(max_loras)
+        self._gate = SlotGate(max_loras, slot_drain_after_s)
         self._listing = SharedQuestion(lambda: self._host.engine.list_loras())
         # The engine's last answer, kept while nothing that could change it happened since.
         self._known: set[int] | None = None

@@ -127,6 +127,7 @@ class WorkerRuntime:
             self.cache,
             settings.max_loras,
             max_cpu_loras=settings.max_cpu_loras,
+            slot_drain_after_s=settings.slot_drain_after_s,
         )
         self.prefetcher: Prefetcher | NoPrefetch = NoPrefetch()
         if settings.prediction != "off":

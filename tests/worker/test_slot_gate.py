@@ -184,6 +184,92 @@ def test_only_the_adapter_holding_its_slot_longest_drains_for_a_waiter() -> None
     asyncio.run(main())
 
 
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_adapter_drains_only_once_a_job_has_waited_the_drain_delay() -> None:
+    """Until the job at the head has waited ``drain_after_s``, jobs of the adapters in flight
+    join them, the oldest's too (vLLM's scheduler: the batch stays full); from then on the
+    oldest takes no more, and the waiter gets its slot when its requests end."""
+
+    async def main() -> None:
+        clock = _Clock()
+        gate = SlotGate(capacity=1, drain_after_s=0.5, clock=clock)
+        entered: list[str] = []
+        ends = {name: asyncio.Event() for name in ("a1", "a2", "b1", "a3")}
+
+        async def job(name: str, adapter: int) -> None:
+            async with gate.slot(adapter):
+                entered.append(name)
+                await ends[name].wait()
+
+        tasks = [asyncio.create_task(job("a1", 1))]
+        await asyncio.sleep(0.01)
+        tasks.append(asyncio.create_task(job("b1", 2)))  # waits: adapter 1 holds the slot
+        await asyncio.sleep(0.01)
+        clock.now += 0.4
+        tasks.append(asyncio.create_task(job("a2", 1)))  # b1 waited 0.4 s: a2 joins
+        await asyncio.sleep(0.01)
+        assert entered == ["a1", "a2"], entered
+        clock.now += 0.2
+        tasks.append(asyncio.create_task(job("a3", 1)))  # b1 waited 0.6 s: adapter 1 drains
+        await asyncio.sleep(0.01)
+        assert entered == ["a1", "a2"], entered
+        ends["a1"].set()
+        ends["a2"].set()
+        await asyncio.sleep(0.01)
+        assert entered == ["a1", "a2", "b1"], entered  # b1 took the slot, a3 behind it
+        ends["b1"].set()
+        ends["a3"].set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        assert entered == ["a1", "a2", "b1", "a3"], entered
+
+    asyncio.run(main())
+
+
+def test_queued_jobs_join_their_adapter_once_nobody_has_waited_long() -> None:
+    """Jobs that queued behind a waiter while their adapter drained join it when that waiter
+    is let in and the next one at the head has not waited the drain delay yet."""
+
+    async def main() -> None:
+        clock = _Clock()
+        gate = SlotGate(capacity=2, drain_after_s=0.5, clock=clock)
+        entered: list[str] = []
+        ends = {name: asyncio.Event() for name in ("a1", "b1", "c1", "a2", "d1", "b2")}
+
+        async def job(name: str, adapter: int) -> None:
+            async with gate.slot(adapter):
+                entered.append(name)
+                await ends[name].wait()
+
+        tasks = [asyncio.create_task(job("a1", 1))]
+        await asyncio.sleep(0.01)
+        tasks.append(asyncio.create_task(job("b1", 2)))
+        await asyncio.sleep(0.01)
+        tasks.append(asyncio.create_task(job("c1", 3)))  # waits for a slot
+        await asyncio.sleep(0.01)
+        clock.now += 1.0  # c1 waited long: adapter 1, the oldest, drains
+        tasks.append(asyncio.create_task(job("d1", 4)))  # waits behind c1, from now
+        await asyncio.sleep(0.01)
+        tasks.append(asyncio.create_task(job("a2", 1)))  # queues: adapter 1 drains for c1
+        await asyncio.sleep(0.01)
+        assert entered == ["a1", "b1"], entered
+        ends["b1"].set()  # adapter 2's slot frees first: c1 takes it
+        await asyncio.sleep(0.01)
+        # d1, at the head now, has not waited long: nobody drains, and a2 joined adapter 1.
+        assert entered == ["a1", "b1", "c1", "a2"], entered
+        for event in ends.values():
+            event.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+    asyncio.run(main())
+
+
 def test_a_job_admitted_by_the_gate_and_cancelled_before_it_ran_frees_its_slot() -> None:
     async def main() -> None:
         gate = SlotGate(capacity=1)
