@@ -207,7 +207,9 @@ class ResultMetadata(BaseModel):
     slot_wait_ms: float | None = Field(
         default=None,
         description="how long the job waited on its worker for a GPU adapter slot (one of "
-        "`max_loras`, taken by requests of other adapters); none where it never asked for one",
+        "`max_loras`, taken by requests of other adapters; ~0 for a pinned adapter, which holds "
+        "its own), also when its deadline or a cancellation ended the wait; none where it never "
+        "asked for one",
     )
     to_engine_ms: float | None = Field(
         default=None,

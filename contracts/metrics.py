@@ -20,6 +20,7 @@ REGISTRY_RECORDS_INVALID = "lorafleet_registry_records_invalid_total"
 JOB_E2E = "lorafleet_job_e2e_seconds"
 JOB_QUEUE_WAIT = "lorafleet_job_queue_wait_seconds"
 JOB_TTFT = "lorafleet_job_ttft_seconds"
+JOB_SLOT_WAIT = "lorafleet_job_slot_wait_seconds"
 ADAPTER_LOOKUPS = "lorafleet_adapter_lookups_total"
 ADAPTER_LOAD = "lorafleet_adapter_load_seconds"
 ADAPTER_EVICTIONS = "lorafleet_adapter_evictions_total"
@@ -51,6 +52,7 @@ ALL = frozenset(
         JOB_E2E,
         JOB_QUEUE_WAIT,
         JOB_TTFT,
+        JOB_SLOT_WAIT,
         ADAPTER_LOOKUPS,
         ADAPTER_LOAD,
         ADAPTER_EVICTIONS,

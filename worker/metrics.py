@@ -39,6 +39,13 @@ QUEUE_WAIT = Histogram(
 TTFT = Histogram(
     names.JOB_TTFT, "Engine arrival to first token, seconds.", ["tier"], buckets=_LATENCY_BUCKETS
 )
+SLOT_WAIT = Histogram(
+    names.JOB_SLOT_WAIT,
+    "Wait for a GPU adapter slot on the worker, seconds (LORAFLEET_SLOT_DRAIN_AFTER_S bounds "
+    "how long before the oldest adapter drains for it).",
+    ["tier"],
+    buckets=_LATENCY_BUCKETS,
+)
 LOOKUPS = Counter(
     names.ADAPTER_LOOKUPS,
     "Jobs by where their adapter was before them (gpu/cpu: hit; disk, remote: miss).",
@@ -145,6 +152,8 @@ def job_finished(
     QUEUE_WAIT.labels(tier).observe(metadata.queue_wait_ms / 1000)
     if metadata.ttft_ms is not None:
         TTFT.labels(tier).observe(metadata.ttft_ms / 1000)
+    if metadata.slot_wait_ms is not None:
+        SLOT_WAIT.labels(tier).observe(metadata.slot_wait_ms / 1000)
     if metadata.residency_before != "unknown":
         LOOKUPS.labels(metadata.residency_before).inc()
     if metadata.identity_verified:

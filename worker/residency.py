@@ -15,7 +15,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar, cast
 
 from vllm.lora.request import LoRARequest
 from vllm.v1.engine.exceptions import EngineDeadError
@@ -25,6 +25,7 @@ from contracts.errors import ErrorCode
 from contracts.jobs import LoadTimings, Residency
 from worker import metrics
 from worker.adapter_cache import AdapterCache
+from worker.config import WorkerSettings
 from worker.deadlines import late, remaining_s
 from worker.engine import EngineFailed, EngineHost
 from worker.errors import AdapterIntegrityError, JobFailure
@@ -33,6 +34,9 @@ from worker.inflight import Running
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+SLOT_DRAIN_AFTER_S = cast(float, WorkerSettings.model_fields["slot_drain_after_s"].default)
+"""``LORAFLEET_SLOT_DRAIN_AFTER_S``'s default, for an ``EngineAdapters`` built without settings."""
 
 MAX_REFUSED = 1024
 """Refused adapters remembered per process (a digest each; the oldest is forgotten first)."""
@@ -79,7 +83,8 @@ class SlotGate:
     the adapter that has held its slot longest *drains*: it takes no more jobs, its requests
     in the engine run out, and its slot goes to the waiter. The job at the head waits at most
     ``drain_after_s`` plus the time the draining adapter's requests then in the engine take,
-    a job further back one such drain per job of another adapter ahead of it, and the
+    a job further back one such drain per job of another adapter ahead of it (a pin that
+    lowers the capacity while jobs are in flight can make it more than one), and the
     engine's batch holds every job whose adapter has a slot but the draining adapter's
     newcomers.
 
@@ -96,7 +101,8 @@ class SlotGate:
     def __init__(
         self,
         capacity: int,
-        drain_after_s: float = 0.0,
+        *,
+        drain_after_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._capacity = capacity
@@ -260,7 +266,7 @@ class EngineAdapters:
         cache: AdapterCache,
         max_loras: int,
         max_cpu_loras: int | None = None,
-        slot_drain_after_s: float = 0.0,
+        slot_drain_after_s: float = SLOT_DRAIN_AFTER_S,
     ) -> None:
         self._host = host
         self._cache = cache
@@ -276,7 +282,7 @@ class EngineAdapters:
         self._pinned_users: Counter[int] = Counter()  # on the engine loop
         self._loading: dict[str, asyncio.Lock] = {}  # on the engine loop
         self._refused: dict[str, str] = {}  # digest -> the engine's refusal, oldest first
-        self._gate = SlotGate(max_loras, slot_drain_after_s)
+        self._gate = SlotGate(max_loras, drain_after_s=slot_drain_after_s)
         self._listing = SharedQuestion(lambda: self._host.engine.list_loras())
         # The engine's last answer, kept while nothing that could change it happened since.
         self._known: set[int] | None = None

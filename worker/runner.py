@@ -65,6 +65,16 @@ class EngineEntry:
     """``time.time()`` at the job's start on this worker."""
     slot_wait_ms: float | None = None
     to_engine_ms: float | None = None
+    _asked: float | None = None
+
+    def asking_for_slot(self) -> None:
+        self._asked = time.perf_counter()
+
+    def slot_wait_over(self) -> None:
+        """The slot was given, or the wait ended without it (deadline, cancellation): the
+        first call after ``asking_for_slot`` counts."""
+        if self._asked is not None and self.slot_wait_ms is None:
+            self.slot_wait_ms = round((time.perf_counter() - self._asked) * 1000, 3)
 
     def arrived(self) -> None:
         self.to_engine_ms = round((time.time() - self.started) * 1000, 3)
@@ -295,30 +305,31 @@ class JobRunner:
         doing = "waiting for a GPU adapter slot"
 
         async def slotted() -> Generation:
+            async with self._alone_if_last_chance(last_chance):
+                entry.asking_for_slot()
+                async with self._adapters.slot(staged.request):
+                    entry.slot_wait_over()
+                    return await admitted()
+
+        async def admitted() -> Generation:
             nonlocal doing
-            asked = time.perf_counter()
-            async with (
-                self._alone_if_last_chance(last_chance),
-                self._adapters.slot(staged.request),
-            ):
-                entry.slot_wait_ms = round((time.perf_counter() - asked) * 1000, 3)
-                # A job let in after its engine died (a waiter woken as the dying job left)
-                # never ran under it: it must not count that death against itself.
-                self._host.check_serving()
-                doing = "loading its adapter into the engine"
-                resident = await self._adapters.load(staged, timings, message.deadline_at, running)
-                if resident.loaded_digest != message.revision:
-                    # Fail closed: the engine holds something other than the admitted revision.
-                    raise AdapterIntegrityError(
-                        f"Revision {message.revision} was admitted but the engine holds "
-                        f"{resident.loaded_digest}."
-                    )
-                doing = "generating"
-                running.in_engine = True
-                result, ttft_ms = await self._generate(
-                    message, resident.request, running.attempt, entry
+            # A job let in after its engine died (a waiter woken as the dying job left)
+            # never ran under it: it must not count that death against itself.
+            self._host.check_serving()
+            doing = "loading its adapter into the engine"
+            resident = await self._adapters.load(staged, timings, message.deadline_at, running)
+            if resident.loaded_digest != message.revision:
+                # Fail closed: the engine holds something other than the admitted revision.
+                raise AdapterIntegrityError(
+                    f"Revision {message.revision} was admitted but the engine holds "
+                    f"{resident.loaded_digest}."
                 )
-                return Generation(result, ttft_ms, resident.loaded_digest)
+            doing = "generating"
+            running.in_engine = True
+            result, ttft_ms = await self._generate(
+                message, resident.request, running.attempt, entry
+            )
+            return Generation(result, ttft_ms, resident.loaded_digest)
 
         try:
             return await asyncio.wait_for(slotted(), timeout=message.deadline_at - time.time())
@@ -337,6 +348,8 @@ class JobRunner:
             if doing == "generating":
                 self._aborted()
             raise
+        finally:
+            entry.slot_wait_over()  # a wait the deadline or a cancellation ended counts too
 
     async def _generate(
         self, message: JobMessage, lora: LoRARequest, attempt: int, entry: EngineEntry

@@ -391,7 +391,7 @@ async def _events(
 
     if kind.opening is not None:
         yield chunk(kind.opening)
-    done = _sse("[DONE]")
+    end = b""
     try:
         async for item in call.streams.follow(job, timeout_s, opened):
             if isinstance(item, str):
@@ -404,14 +404,13 @@ async def _events(
                 yield _error_event(_job_error(item, job.id, timeout_s))
                 break
             last = kind.delta("") | {"finish_reason": ending.finish_reason}
+            # Sent with [DONE] in one write (each write crosses every middleware and the
+            # socket), after the loop: the job is the follower's last item (a follower left
+            # unfinished is closed by a task of its own), and a client that leaves once it
+            # has [DONE] is not mistaken for one that left early.
             end = chunk(last, lorafleet=info_of(item).model_dump(mode="json"))
             if body.include_usage:
                 end += chunk(None, usage=ending.usage.model_dump())
-            # The last events in one write: each write crosses every middleware and the
-            # socket. The loop runs on: the job is the follower's last item, and a follower
-            # left unfinished is closed by a task of its own.
-            yield end + done
-            done = b""
     except StreamDiverged:
         yield _error_event(
             ApiError(
@@ -430,5 +429,4 @@ async def _events(
         # server cancels this generator) or closed the stream. Nobody reads on: cancel it.
         _abandon(call, job)
         raise
-    if done:
-        yield done
+    yield end + _sse("[DONE]")

@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from contracts.jobs import JobPublic, JobResult, JobStatus, Usage
 from gateway.openai_schemas import CompletionCreate
 from gateway.routes import openai
@@ -87,3 +89,26 @@ def test_a_failed_job_ends_with_its_error_event_then_done() -> None:
     assert '"error"' in events[1]
     assert events[2] == "data: [DONE]"
     assert sum(write.count(b"[DONE]") for write in writes) == 1
+
+
+def test_a_client_that_leaves_once_it_has_done_does_not_cancel_its_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The end is written after the follower's loop: a client closing the stream as soon as
+    it has ``[DONE]`` (the server then closes the generator at that write) is not taken for
+    one that left early, whose job would be cancelled."""
+    abandoned: list[str] = []
+    monkeypatch.setattr(openai, "_abandon", lambda call, job: abandoned.append(job.id))
+    job = new_job(status=JobStatus.RUNNING)
+    body = CompletionCreate.model_validate({"model": "a", "prompt": "hi", "stream": True})
+    call: Any = SimpleNamespace(streams=_Follower(["hello", _finished(job)]))
+
+    async def leave_at_done() -> None:
+        events = openai._events(call, job, body, openai._TEXT, 0, 60.0, True)
+        async for write in events:
+            if b"[DONE]" in write:
+                await events.aclose()
+                return
+
+    asyncio.run(leave_at_done())
+    assert abandoned == []

@@ -68,6 +68,9 @@ def test_metrics_count_a_mixed_workload(
         assert finished == count
         e2e = _delta(worker_before, worker_after, names.JOB_E2E + "_count", tier=tier)
         assert e2e == count
+        # Every job that reached the engine asked for a slot (a pinned adapter's too: ~0 s).
+        slot_waits = _delta(worker_before, worker_after, names.JOB_SLOT_WAIT + "_count", tier=tier)
+        assert slot_waits == count
         base = next(r.base_model for r in published.values() if r.tier == tier)
         pool_labels = {"base_model": base.id, "pool": pool_id(base.digest), "tier": tier}
         assert (names.QUEUE_DEPTH, tuple(sorted(pool_labels.items()))) in gateway_after

@@ -1,4 +1,7 @@
-"""The GPU slot gate: never more distinct unpinned adapters in flight than free slots."""
+"""The GPU slot gate: never more distinct unpinned adapters in flight than free slots.
+
+Most cases drain at once (``drain_after_s=0``): the oldest adapter stops taking jobs as soon
+as one waits; the delay before it does is tested with a clock of the test's own."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from worker.residency import SlotGate
 
 
 def test_distinct_adapters_in_flight_never_exceed_capacity() -> None:
-    gate = SlotGate(capacity=2)
+    gate = SlotGate(capacity=2, drain_after_s=0)
     in_flight: dict[int, int] = {}
     most = 0
 
@@ -34,7 +37,7 @@ def test_distinct_adapters_in_flight_never_exceed_capacity() -> None:
 
 def test_jobs_for_an_adapter_already_in_flight_join_it() -> None:
     async def main() -> None:
-        gate = SlotGate(capacity=1)
+        gate = SlotGate(capacity=1, drain_after_s=0)
         other_done = asyncio.Event()
 
         async def other() -> None:
@@ -58,7 +61,7 @@ def test_a_waiter_cancelled_leaves_the_others_waiting_and_takes_no_slot() -> Non
     up without holding one, and the next waiter still gets in."""
 
     async def main() -> None:
-        gate = SlotGate(capacity=1)
+        gate = SlotGate(capacity=1, drain_after_s=0)
         entered: list[int] = []
 
         async def job(adapter: int) -> None:
@@ -80,7 +83,7 @@ def test_a_waiter_cancelled_leaves_the_others_waiting_and_takes_no_slot() -> Non
 
 def test_raising_the_capacity_lets_waiters_in() -> None:
     async def main() -> None:
-        gate = SlotGate(capacity=1)
+        gate = SlotGate(capacity=1, drain_after_s=0)
         async with gate.slot(1):
             waiter = asyncio.create_task(_enter(gate, 2))
             await asyncio.sleep(0.05)
@@ -102,7 +105,7 @@ def _popular_stream_then_rare() -> tuple[list[str], int]:
     entered when the rare one asked for a slot."""
 
     async def main() -> tuple[list[str], int]:
-        gate = SlotGate(capacity=1)
+        gate = SlotGate(capacity=1, drain_after_s=0)
         order: list[str] = []
         started = 0
         entered_before = -1
@@ -153,7 +156,7 @@ def test_only_the_adapter_holding_its_slot_longest_drains_for_a_waiter() -> None
     adapter 1 queues: adapter 1's slot is the one the waiter gets when its jobs end."""
 
     async def main() -> None:
-        gate = SlotGate(capacity=2)
+        gate = SlotGate(capacity=2, drain_after_s=0)
         entered: list[str] = []
         ends = {name: asyncio.Event() for name in ("a1", "b1", "c1", "a2", "b2")}
 
@@ -272,7 +275,7 @@ def test_queued_jobs_join_their_adapter_once_nobody_has_waited_long() -> None:
 
 def test_a_job_admitted_by_the_gate_and_cancelled_before_it_ran_frees_its_slot() -> None:
     async def main() -> None:
-        gate = SlotGate(capacity=1)
+        gate = SlotGate(capacity=1, drain_after_s=0)
         async with gate.slot(1):
             admitted = asyncio.create_task(_enter(gate, 2))
             await asyncio.sleep(0.01)
@@ -293,7 +296,7 @@ def _queued_behind_a_held_slot(
     let in once it drained (before ``later`` came), and in all."""
 
     async def main() -> tuple[list[str], list[str]]:
-        gate = SlotGate(capacity=1)
+        gate = SlotGate(capacity=1, drain_after_s=0)
         let_in: list[str] = []
         release = asyncio.Event()
 
@@ -344,7 +347,7 @@ def test_a_queued_joiner_let_in_and_cancelled_before_it_ran_frees_what_it_held()
     DELETE): it releases its share of the adapter once, and the waiter behind gets in."""
 
     async def main() -> None:
-        gate = SlotGate(capacity=1)
+        gate = SlotGate(capacity=1, drain_after_s=0)
         let_in: list[str] = []
         release_b1 = asyncio.Event()
 

@@ -170,3 +170,24 @@ def test_a_job_waiting_for_a_slot_has_not_loaded_its_adapter_into_the_engine() -
         assert holding == {lora_id}, (
             f"adapter {lora_id} was loaded while {holding} held the GPU slots"
         )
+
+
+def test_a_slot_wait_is_measured_once_also_when_it_ended_without_a_slot() -> None:
+    """``slot_wait_ms`` counts from the request for a slot to the first end of that wait:
+    the slot given, or (``_generate_by_deadline``'s ``finally``) the deadline or a
+    cancellation; a job that never asked has none."""
+    from worker.runner import EngineEntry
+
+    never = EngineEntry(time.time())
+    never.slot_wait_over()
+    assert never.slot_wait_ms is None
+
+    entry = EngineEntry(time.time())
+    entry.asking_for_slot()
+    time.sleep(0.02)
+    entry.slot_wait_over()
+    waited = entry.slot_wait_ms
+    assert waited is not None and waited >= 20
+    time.sleep(0.02)
+    entry.slot_wait_over()  # the finally after a wait that ended with the slot
+    assert entry.slot_wait_ms == waited
