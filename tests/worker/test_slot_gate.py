@@ -150,39 +150,52 @@ def test_a_waiter_is_not_starved_by_later_jobs_for_adapters_in_flight() -> None:
     assert len(order) > arrived_after + 1, "popular jobs that came later ran after it"
 
 
+class _Jobs:
+    """Jobs that each hold their slot until the test ends them; ``entered``: in order."""
+
+    def __init__(self, gate: SlotGate) -> None:
+        self._gate = gate
+        self.entered: list[str] = []
+        self._ends: dict[str, asyncio.Event] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self, name: str, adapter: int) -> None:
+        """Ask for a slot, and give the loop the time to let it in if it may."""
+        self._ends[name] = asyncio.Event()
+        self._tasks.append(asyncio.create_task(self._job(name, adapter)))
+        await asyncio.sleep(0.01)
+
+    async def _job(self, name: str, adapter: int) -> None:
+        async with self._gate.slot(adapter):
+            self.entered.append(name)
+            await self._ends[name].wait()
+
+    async def end(self, *names: str) -> None:
+        for name in names:
+            self._ends[name].set()
+        await asyncio.sleep(0.01)
+
+    async def finish(self) -> None:
+        for event in self._ends.values():
+            event.set()
+        await asyncio.wait_for(asyncio.gather(*self._tasks), 5)
+
+
 def test_only_the_adapter_holding_its_slot_longest_drains_for_a_waiter() -> None:
     """Two slots held by adapters 1 (first) and 2; a job for adapter 3 waits. A later job for
     adapter 2 joins it at once (the engine batches it: no slot is spent), a later one for
     adapter 1 queues: adapter 1's slot is the one the waiter gets when its jobs end."""
 
     async def main() -> None:
-        gate = SlotGate(capacity=2, drain_after_s=0)
-        entered: list[str] = []
-        ends = {name: asyncio.Event() for name in ("a1", "b1", "c1", "a2", "b2")}
-
-        async def job(name: str, adapter: int) -> None:
-            async with gate.slot(adapter):
-                entered.append(name)
-                await ends[name].wait()
-
-        tasks = [asyncio.create_task(job("a1", 1))]
-        await asyncio.sleep(0.01)
-        tasks.append(asyncio.create_task(job("b1", 2)))
-        await asyncio.sleep(0.01)
-        for name, adapter in (("c1", 3), ("a2", 1), ("b2", 2)):
-            tasks.append(asyncio.create_task(job(name, adapter)))
-            await asyncio.sleep(0.01)
-        assert entered == ["a1", "b1", "b2"], entered  # b2 joined; c1 and a2 wait
-        ends["a1"].set()  # adapter 1 drained: its slot goes to c1, not to a2
-        await asyncio.sleep(0.01)
-        assert entered == ["a1", "b1", "b2", "c1"], entered
-        for name in ("b1", "b2"):  # adapter 2 drained in turn: a2 gets its slot
-            ends[name].set()
-        await asyncio.sleep(0.01)
-        assert entered == ["a1", "b1", "b2", "c1", "a2"], entered
-        for event in ends.values():
-            event.set()
-        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        jobs = _Jobs(SlotGate(capacity=2, drain_after_s=0))
+        for name, adapter in (("a1", 1), ("b1", 2), ("c1", 3), ("a2", 1), ("b2", 2)):
+            await jobs.start(name, adapter)
+        assert jobs.entered == ["a1", "b1", "b2"], jobs.entered  # b2 joined; c1 and a2 wait
+        await jobs.end("a1")  # adapter 1 drained: its slot goes to c1, not to a2
+        assert jobs.entered == ["a1", "b1", "b2", "c1"], jobs.entered
+        await jobs.end("b1", "b2")  # adapter 2 drained in turn: a2 gets its slot
+        assert jobs.entered == ["a1", "b1", "b2", "c1", "a2"], jobs.entered
+        await jobs.finish()
 
     asyncio.run(main())
 
@@ -202,35 +215,19 @@ def test_an_adapter_drains_only_once_a_job_has_waited_the_drain_delay() -> None:
 
     async def main() -> None:
         clock = _Clock()
-        gate = SlotGate(capacity=1, drain_after_s=0.5, clock=clock)
-        entered: list[str] = []
-        ends = {name: asyncio.Event() for name in ("a1", "a2", "b1", "a3")}
-
-        async def job(name: str, adapter: int) -> None:
-            async with gate.slot(adapter):
-                entered.append(name)
-                await ends[name].wait()
-
-        tasks = [asyncio.create_task(job("a1", 1))]
-        await asyncio.sleep(0.01)
-        tasks.append(asyncio.create_task(job("b1", 2)))  # waits: adapter 1 holds the slot
-        await asyncio.sleep(0.01)
+        jobs = _Jobs(SlotGate(capacity=1, drain_after_s=0.5, clock=clock))
+        await jobs.start("a1", 1)
+        await jobs.start("b1", 2)  # waits: adapter 1 holds the slot
         clock.now += 0.4
-        tasks.append(asyncio.create_task(job("a2", 1)))  # b1 waited 0.4 s: a2 joins
-        await asyncio.sleep(0.01)
-        assert entered == ["a1", "a2"], entered
+        await jobs.start("a2", 1)  # b1 waited 0.4 s: a2 joins
+        assert jobs.entered == ["a1", "a2"], jobs.entered
         clock.now += 0.2
-        tasks.append(asyncio.create_task(job("a3", 1)))  # b1 waited 0.6 s: adapter 1 drains
-        await asyncio.sleep(0.01)
-        assert entered == ["a1", "a2"], entered
-        ends["a1"].set()
-        ends["a2"].set()
-        await asyncio.sleep(0.01)
-        assert entered == ["a1", "a2", "b1"], entered  # b1 took the slot, a3 behind it
-        ends["b1"].set()
-        ends["a3"].set()
-        await asyncio.wait_for(asyncio.gather(*tasks), 5)
-        assert entered == ["a1", "a2", "b1", "a3"], entered
+        await jobs.start("a3", 1)  # b1 waited 0.6 s: adapter 1 drains
+        assert jobs.entered == ["a1", "a2"], jobs.entered
+        await jobs.end("a1", "a2")
+        assert jobs.entered == ["a1", "a2", "b1"], jobs.entered  # b1 took the slot, a3 behind
+        await jobs.finish()
+        assert jobs.entered == ["a1", "a2", "b1", "a3"], jobs.entered
 
     asyncio.run(main())
 
@@ -241,34 +238,18 @@ def test_queued_jobs_join_their_adapter_once_nobody_has_waited_long() -> None:
 
     async def main() -> None:
         clock = _Clock()
-        gate = SlotGate(capacity=2, drain_after_s=0.5, clock=clock)
-        entered: list[str] = []
-        ends = {name: asyncio.Event() for name in ("a1", "b1", "c1", "a2", "d1", "b2")}
-
-        async def job(name: str, adapter: int) -> None:
-            async with gate.slot(adapter):
-                entered.append(name)
-                await ends[name].wait()
-
-        tasks = [asyncio.create_task(job("a1", 1))]
-        await asyncio.sleep(0.01)
-        tasks.append(asyncio.create_task(job("b1", 2)))
-        await asyncio.sleep(0.01)
-        tasks.append(asyncio.create_task(job("c1", 3)))  # waits for a slot
-        await asyncio.sleep(0.01)
+        jobs = _Jobs(SlotGate(capacity=2, drain_after_s=0.5, clock=clock))
+        await jobs.start("a1", 1)
+        await jobs.start("b1", 2)
+        await jobs.start("c1", 3)  # waits for a slot
         clock.now += 1.0  # c1 waited long: adapter 1, the oldest, drains
-        tasks.append(asyncio.create_task(job("d1", 4)))  # waits behind c1, from now
-        await asyncio.sleep(0.01)
-        tasks.append(asyncio.create_task(job("a2", 1)))  # queues: adapter 1 drains for c1
-        await asyncio.sleep(0.01)
-        assert entered == ["a1", "b1"], entered
-        ends["b1"].set()  # adapter 2's slot frees first: c1 takes it
-        await asyncio.sleep(0.01)
+        await jobs.start("d1", 4)  # waits behind c1, from now
+        await jobs.start("a2", 1)  # queues: adapter 1 drains for c1
+        assert jobs.entered == ["a1", "b1"], jobs.entered
+        await jobs.end("b1")  # adapter 2's slot frees first: c1 takes it
         # d1, at the head now, has not waited long: nobody drains, and a2 joined adapter 1.
-        assert entered == ["a1", "b1", "c1", "a2"], entered
-        for event in ends.values():
-            event.set()
-        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        assert jobs.entered == ["a1", "b1", "c1", "a2"], jobs.entered
+        await jobs.finish()
 
     asyncio.run(main())
 
