@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -29,23 +29,33 @@ class _Follower:
             yield item
 
 
-def _writes(items: list[str | JobPublic], include_usage: bool) -> list[bytes]:
-    job = new_job(status=JobStatus.RUNNING)
+def _stream(
+    job: JobPublic, items: list[str | JobPublic], include_usage: bool = False
+) -> AsyncGenerator[bytes, None]:
+    """The writes of ``job``'s streamed completion whose follower yields ``items``."""
     body = CompletionCreate.model_validate(
         {"model": "a", "prompt": "hi", "stream": True}
         | ({"stream_options": {"include_usage": True}} if include_usage else {})
     )
     call: Any = SimpleNamespace(streams=_Follower(items))
+    events = openai._events(call, job, body, openai._TEXT, 0, 60.0, True)
+    return cast(AsyncGenerator[bytes, None], events)  # an async generator, typed as an iterator
 
+
+def _writes(items: list[str | JobPublic], include_usage: bool) -> list[bytes]:
     async def collect() -> list[bytes]:
-        events = openai._events(call, job, body, openai._TEXT, 0, 60.0, True)
-        return [write async for write in events]
+        stream = _stream(new_job(status=JobStatus.RUNNING), items, include_usage)
+        return [write async for write in stream]
 
     return asyncio.run(collect())
 
 
 def _events_of(write: bytes) -> list[str]:
     return [event for event in write.decode().split("\n\n") if event]
+
+
+def _data(event: str) -> Any:
+    return json.loads(event.removeprefix("data: "))
 
 
 def _finished(job: JobPublic) -> JobPublic:
@@ -64,11 +74,11 @@ def test_the_last_chunk_usage_and_done_leave_in_one_write() -> None:
     done = _finished(new_job(status=JobStatus.RUNNING))
     writes = _writes(["hel", "lo", done], include_usage=True)
     assert len(writes) == 3, writes
-    texts = [json.loads(_events_of(w)[0].removeprefix("data: "))["choices"][0] for w in writes[:2]]
+    texts = [_data(_events_of(w)[0])["choices"][0] for w in writes[:2]]
     assert [t["text"] for t in texts] == ["hel", "lo"]
     last, usage, end = _events_of(writes[2])
-    assert json.loads(last.removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
-    assert json.loads(usage.removeprefix("data: "))["usage"]["total_tokens"] == 3
+    assert _data(last)["choices"][0]["finish_reason"] == "length"
+    assert _data(usage)["usage"]["total_tokens"] == 3
     assert end == "data: [DONE]"
 
 
@@ -77,7 +87,7 @@ def test_without_usage_the_end_is_the_last_chunk_and_done() -> None:
     writes = _writes(["hello", done], include_usage=False)
     assert len(writes) == 2, writes
     last, end = _events_of(writes[1])
-    assert json.loads(last.removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    assert _data(last)["choices"][0]["finish_reason"] == "length"
     assert end == "data: [DONE]"
 
 
@@ -100,11 +110,9 @@ def test_a_client_that_leaves_once_it_has_done_does_not_cancel_its_job(
     abandoned: list[str] = []
     monkeypatch.setattr(openai, "_abandon", lambda call, job: abandoned.append(job.id))
     job = new_job(status=JobStatus.RUNNING)
-    body = CompletionCreate.model_validate({"model": "a", "prompt": "hi", "stream": True})
-    call: Any = SimpleNamespace(streams=_Follower(["hello", _finished(job)]))
 
     async def leave_at_done() -> None:
-        events = openai._events(call, job, body, openai._TEXT, 0, 60.0, True)
+        events = _stream(job, ["hello", _finished(job)])
         async for write in events:
             if b"[DONE]" in write:
                 await events.aclose()
