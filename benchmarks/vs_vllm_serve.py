@@ -26,7 +26,7 @@ the serving path, not a tenant's quota; the gateway's Redis bound is left as shi
 
     .venv/bin/python benchmarks/vs_vllm_serve.py [--rounds 2] [--requests 256]
         [--single-requests 64] [--short-requests 50] [--concurrency 1 64 256]
-        [--vllm-placement as-shipped|colocated] [--json results.json]
+        [--vllm-placement as-shipped|colocated] [--max-loras N] [--json results.json]
 
 CPU: everything shares this machine's cores, so each scenario prints the CPU seconds of every
 process. vLLM: ``api server`` (the ``vllm serve`` process: HTTP, tokenizing, detokenizing) and
@@ -40,6 +40,15 @@ core unbound, free to use the core its API server and lorafleet's control plane 
 ``--vllm-placement colocated`` binds ``vllm serve``'s engine processes the way lorafleet's worker
 binds its own (``worker.engine.colocate_children``, once the server answers), so that both
 engines run on the same cores and the rest of the machine is each server's own.
+
+Engine steps: each scenario line also prints how many steps the engine ran and the tokens
+they scheduled per step (vLLM's ``vllm:iteration_tokens_total`` histogram, read from ``vllm
+serve``'s ``/metrics`` and from the worker's metrics port before and after). The same tokens
+in more steps mean the engine was given smaller batches; the same steps in more time mean
+slower steps. With 8 adapters over ``max_loras`` 4 slots, the batch depends on which adapters
+hold the slots as requests come and go (a phase effect both servers are subject to);
+``--max-loras 8`` gives every adapter a slot on both sides, which measures the serving path
+without it.
 """
 
 from __future__ import annotations
@@ -124,6 +133,7 @@ class Server:
     headers: dict[str, str]
     pids: dict[str, int]
     redis_url: str | None = None  # lorafleet's: where its job records and streams are
+    metrics_url: str | None = None  # where the engine's vLLM metrics are served
 
 
 def _healthy(url: str) -> bool:
@@ -160,7 +170,8 @@ def vllm_serve(
 
             cores = colocate_children(psutil.Process(child.pid))
             console.print(f"{VLLM}: engine processes bound to cores {cores}", markup=False)
-        yield Server(VLLM, url, {}, {"api server": child.pid, "client": os.getpid()})
+        pids = {"api server": child.pid, "client": os.getpid()}
+        yield Server(VLLM, url, {}, pids, metrics_url=f"{url}/metrics")
     finally:
         child.stop(timeout_s=60)
 
@@ -177,7 +188,35 @@ def lorafleet_stack(model: Path, adapters: dict[str, Path], state_dir: Path) -> 
         stack.start_services({**engine, **ADMISSION})
         pids = {child.name: child.pid for child in stack.children} | {"client": os.getpid()}
         headers = auth_headers(stack.api_key)
-        yield Server(LORAFLEET, stack.gateway_url, headers, pids, stack.redis_url)
+        yield Server(
+            LORAFLEET, stack.gateway_url, headers, pids, stack.redis_url, worker_metrics(stack)
+        )
+
+
+def worker_metrics(stack: LocalStack) -> str | None:
+    """The worker's metrics endpoint (any free port, which it logs once it serves it)."""
+    for log in sorted(stack.log_dir.glob("*worker*")):
+        found = re.search(r"metrics on port (\d+)", log.read_text(errors="replace"))
+        if found:
+            return f"http://127.0.0.1:{found.group(1)}/metrics"
+    return None
+
+
+def engine_steps(server: Server) -> tuple[float, float] | None:
+    """Engine steps so far and the tokens they scheduled, from vLLM's own
+    ``vllm:iteration_tokens_total`` histogram (one observation per step that produced
+    output): the same count on both servers, so a difference in tokens per step is a
+    difference in the batches the engine was given."""
+    if server.metrics_url is None:
+        return None
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    totals = {"count": 0.0, "sum": 0.0}
+    for line in text.splitlines():
+        found = re.match(r"vllm:iteration_tokens_total_(count|sum)(?:\{.*\})? (\S+)$", line)
+        if found:
+            totals[found.group(1)] += float(found.group(2))
+    return totals["count"], totals["sum"]
 
 
 # -- the requests --------------------------------------------------------------------------
@@ -252,6 +291,8 @@ class Measured:
 
     run: Run
     cpu_s: dict[str, float]
+    engine_steps: float | None = None
+    tokens_per_step: float | None = None
 
 
 async def measure(
@@ -267,16 +308,22 @@ async def measure(
     await warm(server, *warming, timeout_s)
     measured = {}
     for scenario in scenarios:
-        before = cpu_now(server)
+        before, steps_before = cpu_now(server), engine_steps(server)
         result = await run(server.url, server.headers, scenario, timeout_s)
-        after = cpu_now(server)
+        after, steps_after = cpu_now(server), engine_steps(server)
         cpu_s = {name: round(after[name] - before[name], 2) for name in after}
-        measured[scenario.name] = Measured(result, cpu_s)
+        steps = per_step = None
+        if steps_before is not None and steps_after is not None:
+            steps = steps_after[0] - steps_before[0]
+            per_step = (steps_after[1] - steps_before[1]) / steps if steps else None
+        measured[scenario.name] = Measured(result, cpu_s, steps, per_step)
         stats = summarise([result])
+        engine = "" if per_step is None else f"; engine {steps:,.0f} steps, {per_step:.1f} tok/step"
         console.print(
             f"{label} {scenario.name}: {stats.ok} ok, {stats.failed} failed, "
             f"{result.elapsed_s:.1f} s, {stats.tok_per_s:,.0f} tok/s; CPU s: "
-            + ", ".join(f"{name} {s:.1f}" for name, s in cpu_s.items() if s >= 0.05),
+            + ", ".join(f"{name} {s:.1f}" for name, s in cpu_s.items() if s >= 0.05)
+            + engine,
             markup=False,
         )
     return measured
@@ -425,7 +472,13 @@ def report(
         "rounds": {
             scenario: {
                 server: [
-                    {"elapsed_s": m.run.elapsed_s, "cpu_s": m.cpu_s, **asdict(summarise([m.run]))}
+                    {
+                        "elapsed_s": m.run.elapsed_s,
+                        "cpu_s": m.cpu_s,
+                        "engine_steps": m.engine_steps,
+                        "tokens_per_step": m.tokens_per_step,
+                        **asdict(summarise([m.run])),
+                    }
                     for m in measured
                 ]
                 for server, measured in by_server.items()
@@ -455,8 +508,18 @@ def main() -> None:
         help="where vllm serve's engine core runs: where vLLM puts it, or bound to its model "
         "worker's cores as lorafleet's worker binds its own",
     )
+    parser.add_argument(
+        "--max-loras",
+        type=int,
+        help=f"GPU adapter slots on both servers instead of {ENGINE['max_loras']} "
+        f"({ADAPTERS} gives every adapter one)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    if args.max_loras is not None:
+        if not 1 <= args.max_loras <= ENGINE["max_cpu_loras"]:
+            parser.error(f"--max-loras: 1 to max_cpu_loras ({ENGINE['max_cpu_loras']})")
+        ENGINE["max_loras"] = args.max_loras  # read by both servers' settings below
     console = Console(width=170)  # the tables stay readable in a log file
     signal.signal(signal.SIGTERM, interrupt_on_signal)  # cleans up as Ctrl-C does
 
