@@ -42,13 +42,13 @@ binds its own (``worker.engine.colocate_children``, once the server answers), so
 engines run on the same cores and the rest of the machine is each server's own.
 
 Engine steps: each scenario line also prints how many steps the engine ran and the tokens
-they scheduled per step (vLLM's ``vllm:iteration_tokens_total`` histogram, read from ``vllm
-serve``'s ``/metrics`` and from the worker's metrics port before and after). The same tokens
-in more steps mean the engine was given smaller batches; the same steps in more time mean
-slower steps. With 8 adapters over ``max_loras`` 4 slots, the batch depends on which adapters
-hold the slots as requests come and go (a phase effect both servers are subject to);
-``--max-loras 8`` gives every adapter a slot on both sides, which measures the serving path
-without it.
+it computed per step (prompt and generated; vLLM's ``vllm:iteration_tokens_total``
+histogram, read from ``vllm serve``'s ``/metrics`` and from the worker's metrics port before
+and after). The same tokens in more steps mean the engine was given smaller batches; the
+same steps in more time, slower steps (or an engine that waited for work). With 8 adapters
+over ``max_loras`` 4 slots, the batch depends on which adapters hold the slots as requests
+come and go; ``--max-loras 8`` gives every adapter a slot on both sides, which measures the
+serving path without that.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ from rich.console import Console
 from rich.table import Table
 from throughput import ENGINE, WORDS, cpu_seconds
 
+from contracts.keys import worker_key
 from contracts.queues import Tier
 from lorafleet.client import auth_headers
 from lorafleet.fixtures import write_fixtures
@@ -189,33 +190,55 @@ def lorafleet_stack(model: Path, adapters: dict[str, Path], state_dir: Path) -> 
         pids = {child.name: child.pid for child in stack.children} | {"client": os.getpid()}
         headers = auth_headers(stack.api_key)
         yield Server(
-            LORAFLEET, stack.gateway_url, headers, pids, stack.redis_url, worker_metrics(stack)
+            LORAFLEET,
+            stack.gateway_url,
+            headers,
+            pids,
+            stack.redis_url,
+            metrics_url=worker_metrics(stack),
         )
 
 
 def worker_metrics(stack: LocalStack) -> str | None:
-    """The worker's metrics endpoint (any free port, which it logs once it serves it)."""
-    for log in sorted(stack.log_dir.glob("*worker*")):
-        found = re.search(r"metrics on port (\d+)", log.read_text(errors="replace"))
-        if found:
-            return f"http://127.0.0.1:{found.group(1)}/metrics"
+    """The worker's metrics endpoint: any free port, which it announces in its heartbeat
+    record (there once the stack is up: ``wait_worker`` waits for that record)."""
+    for child in stack.children:
+        if child.name == "worker":
+            worker_id = stack.worker_id(child)
+            raw = None if worker_id is None else stack.redis().get(worker_key(worker_id))
+            port = None if raw is None else json.loads(str(raw)).get("metrics_port")
+            if port:
+                return f"http://127.0.0.1:{port}/metrics"
     return None
 
 
-def engine_steps(server: Server) -> tuple[float, float] | None:
-    """Engine steps so far and the tokens they scheduled, from vLLM's own
-    ``vllm:iteration_tokens_total`` histogram (one observation per step that produced
-    output): the same count on both servers, so a difference in tokens per step is a
-    difference in the batches the engine was given."""
+STEP_LINE = re.compile(r"vllm:iteration_tokens_total_(count|sum)(?:\{.*\})? (\S+)$")
+
+
+def engine_steps(server: Server, console: Console) -> tuple[float, float] | None:
+    """Engine steps so far and the tokens they computed (prompt tokens plus the tokens
+    generated), from vLLM's own ``vllm:iteration_tokens_total`` histogram (one observation
+    per step that produced output): the same count on both servers, so the same tokens in
+    more steps mean the engine was given smaller batches. ``None`` (and a warning) when the
+    metrics can't be read, not a benchmark's end."""
     if server.metrics_url is None:
         return None
-    with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
-        text = response.read().decode()
+    try:
+        with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
+            text = response.read().decode()
+    except (OSError, ValueError) as exc:
+        console.print(f"{server.name}: engine steps not read ({exc!r})", markup=False)
+        return None
     totals = {"count": 0.0, "sum": 0.0}
+    found = False
     for line in text.splitlines():
-        found = re.match(r"vllm:iteration_tokens_total_(count|sum)(?:\{.*\})? (\S+)$", line)
-        if found:
-            totals[found.group(1)] += float(found.group(2))
+        match = STEP_LINE.match(line)
+        if match:
+            totals[match.group(1)] += float(match.group(2))
+            found = True
+    if not found:
+        console.print(f"{server.name}: no vllm:iteration_tokens_total in its metrics", markup=False)
+        return None
     return totals["count"], totals["sum"]
 
 
@@ -308,9 +331,9 @@ async def measure(
     await warm(server, *warming, timeout_s)
     measured = {}
     for scenario in scenarios:
-        before, steps_before = cpu_now(server), engine_steps(server)
+        before, steps_before = cpu_now(server), engine_steps(server, console)
         result = await run(server.url, server.headers, scenario, timeout_s)
-        after, steps_after = cpu_now(server), engine_steps(server)
+        after, steps_after = cpu_now(server), engine_steps(server, console)
         cpu_s = {name: round(after[name] - before[name], 2) for name in after}
         steps = per_step = None
         if steps_before is not None and steps_after is not None:
@@ -465,6 +488,10 @@ def report(
     return {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "engine": engine | ENGINE,
+        # What else the caller set for lorafleet's services (a setting under test, say).
+        "lorafleet_environment": {
+            key: value for key, value in sorted(os.environ.items()) if key.startswith("LORAFLEET_")
+        },
         "vllm_serve_flags": serve_flags(engine),
         "lorafleet_tier": TIER.value,
         "lorafleet_admission_env": ADMISSION,
