@@ -3,23 +3,24 @@ lorafleet under the same closed-loop load, one after the other.
 
 ``vs_vllm_serve.py`` counts the engine's steps: at 64 requests at a time over 8 adapters and
 4 slots, lorafleet's engine ran 13-72% more of them for the same tokens. This runs one of its
-scenarios (``--scenario``, default ``stream c=64``) on both servers, A B per round, and
-reads every request's send time, first and last text (streamed) or end (unstreamed) to
-report, over the run:
+streamed scenarios (``--scenario``, default ``stream c=64``; streamed only: the figures need
+each request's first and last text) on both servers, A B per round, and from every request's
+send time, first and last text reports, time-averaged over the steady window (from the first
+send to the last: every caller has work):
 
-- requests generating at once (first text to last), and adapters with one generating
-  (at most ``max_loras``): slots held, and how full;
-- callers waiting for their first text, and callers between requests (last text to the
-  next send);
-- first text for requests sent while their adapter had a request generating (they could
-  join it) and for the others (their adapter needed a slot);
-- activations per adapter (its requests generating went from none to some).
+- requests streaming at once (first text to last), and adapters with a request streaming
+  (as the client saw it: delivery lag can show a fifth adapter for a moment);
+- callers waiting for their first text, and callers idle (last text to the next send);
+- first text of the requests sent while a request of their adapter was streaming (their
+  adapter held a slot, as far as the client could tell) and of the others;
+- activations per adapter (its requests streaming went from none to some), over the run;
+- the engine's steps during the scenario (``vs_vllm_serve.engine_steps``).
 
-The same engine settings and fixtures as ``vs_vllm_serve.py`` (whose functions start both
-servers). Streamed only for the generating-at-once figures: an unstreamed request has no
-first text, so its whole time counts as waiting.
+The same engine settings, fixtures and prompts as ``vs_vllm_serve.py --concurrency N``
+(whose functions start both servers).
 
     .venv/bin/python benchmarks/slot_phases.py [--rounds 2] [--scenario "stream c=64"]
+        [--requests 256]
 """
 
 from __future__ import annotations
@@ -28,22 +29,16 @@ import argparse
 import asyncio
 import shutil
 import signal
-import statistics
 import tempfile
 from pathlib import Path
 
 import vs_vllm_serve as pair
-from openai_load import Run, Scenario, run
+from openai_load import Run, Scenario, percentile, run
 from rich.console import Console
 from rich.table import Table
 
 from lorafleet.fixtures import write_fixtures
 from lorafleet.processes import interrupt_on_signal
-
-
-def _quantile(values: list[float], q: float) -> float | None:
-    ordered = sorted(values)
-    return ordered[int(q * (len(ordered) - 1))] if ordered else None
 
 
 def phases(scenario: Scenario, result: Run) -> dict[str, float | None]:
@@ -53,44 +48,58 @@ def phases(scenario: Scenario, result: Run) -> dict[str, float | None]:
         for (adapter, _), o in zip(scenario.work, result.outcomes, strict=True)
         if o.error is None and o.first_s is not None and o.last_s is not None
     ]
+    failed = len(result.outcomes) - len(spans)
     if not spans:
-        return {}
+        return {"failed": failed}
     start = min(sent for *_, sent in spans)
-    end = max(last for _, last, *_ in spans)
+    stop = max(sent for *_, sent in spans)  # the last send: past it, callers run out of work
+    length = stop - start
+
+    def within(a: float, b: float) -> float:
+        return max(0.0, min(b, stop) - max(a, start))
+
+    # At one instant an end goes before a start of the same adapter (a request streamed in
+    # one chunk has first == last), so a count never goes below zero.
     events = sorted(
         [(first, 1, adapter) for first, _, adapter, _ in spans]
-        + [(last, -1, adapter) for _, last, adapter, _ in spans]
+        + [(last, -1, adapter) for _, last, adapter, _ in spans],
+        key=lambda event: (event[0], -event[1]),
     )
-    generating: dict[str, int] = {}
+    streaming: dict[str, int] = {}
     activations: dict[str, int] = {}
     at, requests_s, adapters_s = start, 0.0, 0.0
     for when, change, adapter in events:
-        requests_s += (when - at) * sum(generating.values())
-        adapters_s += (when - at) * sum(1 for n in generating.values() if n)
+        requests_s += within(at, when) * sum(streaming.values())
+        adapters_s += within(at, when) * sum(1 for n in streaming.values() if n)
         at = when
-        if change > 0 and not generating.get(adapter):
+        if change > 0 and not streaming.get(adapter):
             activations[adapter] = activations.get(adapter, 0) + 1
-        generating[adapter] = generating.get(adapter, 0) + change
-    waiting_s = sum(first - sent for first, _, _, sent in spans)
-    could_join, needed_slot = [], []
-    for first, _, adapter, sent in spans:
-        busy = any(a == adapter and f <= sent < last for f, last, a, _ in spans)
-        (could_join if busy else needed_slot).append((first - sent) * 1000)
-    length = end - start
-    callers = scenario.concurrency
+        streaming[adapter] = streaming.get(adapter, 0) + change
+    waiting_s = sum(within(sent, first) for first, _, _, sent in spans)
+    slot_held: list[float] = []
+    slot_needed: list[float] = []
+    for i, (first, _, adapter, sent) in enumerate(spans):
+        held = any(
+            j != i and other == adapter and f <= sent < last
+            for j, (f, last, other, _) in enumerate(spans)
+        )
+        (slot_held if held else slot_needed).append((first - sent) * 1000)
     return {
-        "run s": length,
-        "generating at once": requests_s / length,
-        "adapters generating": adapters_s / length,
+        "failed": failed,
+        "steady window s": length,
+        "requests streaming at once": requests_s / length,
+        "adapters with one streaming": adapters_s / length,
         "callers waiting for first text": waiting_s / length,
-        "callers between requests": callers - (requests_s + waiting_s) / length,
-        "sent while its adapter generated (could join)": len(could_join),
-        "  their first text p50 ms": _quantile(could_join, 0.5),
-        "  their first text p90 ms": _quantile(could_join, 0.9),
-        "sent while its adapter did not (needed a slot)": len(needed_slot),
-        "  their first text p50 ms (needed a slot)": _quantile(needed_slot, 0.5),
-        "  their first text p90 ms (needed a slot)": _quantile(needed_slot, 0.9),
-        "activations per adapter": statistics.mean(activations.values()),
+        "callers idle (last text to next send)": scenario.concurrency
+        - (requests_s + waiting_s) / length,
+        "sent while its adapter streamed: requests": len(slot_held),
+        "  their first text p50 ms": percentile(slot_held, 50),
+        "  their first text p90 ms": percentile(slot_held, 90),
+        "sent while it did not: requests": len(slot_needed),
+        "  their first text p50 ms (did not)": percentile(slot_needed, 50),
+        "  their first text p90 ms (did not)": percentile(slot_needed, 90),
+        "activations per adapter (whole run)": sum(activations.values())
+        / len({adapter for adapter, _ in scenario.work}),
     }
 
 
@@ -101,7 +110,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     args = parser.parse_args()
     kind, _, concurrency = args.scenario.partition(" c=")
-    if kind != "stream" or not concurrency.isdigit():
+    if kind != "stream" or not concurrency.isdigit() or int(concurrency) < 1:
         parser.error('--scenario: "stream c=N" (the figures need first and last text)')
     console = Console(width=170)
     signal.signal(signal.SIGTERM, interrupt_on_signal)
@@ -115,8 +124,8 @@ def main() -> None:
         adapters = {spec.name: scratch / "fixtures" / "adapters" / spec.name for spec in specs}
         tokenizer = AutoTokenizer.from_pretrained(model)
         shape = argparse.Namespace(
-            concurrency=[int(concurrency)], requests=args.requests, single_requests=1,
-            short_requests=0,
+            concurrency=[int(concurrency)], requests=args.requests,
+            single_requests=args.requests, short_requests=0,
         )  # fmt: skip
         (scenario,) = [s for s in pair.plan(tokenizer, sorted(adapters), shape) if s.stream]
         warming = (sorted(adapters), pair.exact_prompts(tokenizer, 1, seed=11)[0])
@@ -125,22 +134,31 @@ def main() -> None:
             for name in (pair.VLLM, pair.LORAFLEET):
                 console.print(f"round {round_}/{args.rounds} {name}: starting", markup=False)
                 starting = (
-                    pair.vllm_serve(model, adapters, scratch / "logs", console, colocated=True)
+                    pair.vllm_serve(
+                        model, adapters, scratch / f"logs-{round_}", console, colocated=True
+                    )
                     if name == pair.VLLM
                     else pair.lorafleet_stack(model, adapters, scratch / f"stack-{round_}")
                 )
                 with starting as server:
                     asyncio.run(pair.warm(server, *warming, 600))
+                    before = pair.engine_steps(server, console)
                     result = asyncio.run(run(server.url, server.headers, scenario, 600))
-                columns[f"{name} {round_}"] = phases(scenario, result)
+                    after = pair.engine_steps(server, console)
+                column = phases(scenario, result)
+                column["engine steps"] = (
+                    None if before is None or after is None else after[0] - before[0]
+                )
+                columns[f"{name} {round_}"] = column
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    table = Table(title=f"{scenario.name}, {args.requests} requests, {pair.ADAPTERS} adapters")
+    title = f"{scenario.name}, {args.requests} requests, {pair.ADAPTERS} adapters, "
+    table = Table(title=title + f"max_loras {pair.ENGINE['max_loras']}")
     table.add_column("")
-    for column in columns:
-        table.add_column(column, justify="right")
-    for row in next(iter(columns.values())):
-        cells = [columns[c].get(row) for c in columns]
+    for heading in columns:
+        table.add_column(heading, justify="right")
+    for row in max(columns.values(), key=len):
+        cells = [figures.get(row) for figures in columns.values()]
         table.add_row(row, *("-" if v is None else f"{v:,.1f}" for v in cells))
     console.print(table)
 

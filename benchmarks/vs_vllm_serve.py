@@ -574,7 +574,11 @@ def main() -> None:
                 console.print(f"{label}: starting", markup=False)
                 starting = (
                     vllm_serve(
-                        model, adapters, scratch / "logs", console, args.vllm_placement == COLOCATED
+                        model,
+                        adapters,
+                        scratch / f"logs-{round_}",
+                        console,
+                        args.vllm_placement == COLOCATED,
                     )
                     if name == VLLM
                     else lorafleet_stack(model, adapters, scratch / f"stack-{round_}")
