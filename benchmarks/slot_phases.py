@@ -6,7 +6,7 @@ lorafleet under the same closed-loop load, one after the other.
 streamed scenarios (``--scenario``, default ``stream c=64``; streamed only: the figures need
 each request's first and last text) on both servers, A B per round, and from every request's
 send time, first and last text reports, time-averaged over the steady window (from the first
-send to the last: every caller has work):
+send to the last: every caller has work; the whole run when all are sent at once):
 
 - requests streaming at once (first text to last), and adapters with a request streaming
   (as the client saw it: delivery lag can show a fifth adapter for a moment);
@@ -53,6 +53,8 @@ def phases(scenario: Scenario, result: Run) -> dict[str, float | None]:
         return {"failed": failed}
     start = min(sent for *_, sent in spans)
     stop = max(sent for *_, sent in spans)  # the last send: past it, callers run out of work
+    if stop - start < 0.01:  # all sent at once (as many callers as requests): the whole run
+        stop = max(last for _, last, *_ in spans)
     length = stop - start
 
     def within(a: float, b: float) -> float:
@@ -86,7 +88,7 @@ def phases(scenario: Scenario, result: Run) -> dict[str, float | None]:
         (slot_held if held else slot_needed).append((first - sent) * 1000)
     return {
         "failed": failed,
-        "steady window s": length,
+        "window s (steady, or whole if all sent at once)": length,
         "requests streaming at once": requests_s / length,
         "adapters with one streaming": adapters_s / length,
         "callers waiting for first text": waiting_s / length,
