@@ -135,22 +135,13 @@ def main() -> None:
         for round_ in range(1, args.rounds + 1):
             for name in (pair.VLLM, pair.LORAFLEET):
                 console.print(f"round {round_}/{args.rounds} {name}: starting", markup=False)
-                starting = (
-                    pair.vllm_serve(
-                        model, adapters, scratch / f"logs-{round_}", console, colocated=True
-                    )
-                    if name == pair.VLLM
-                    else pair.lorafleet_stack(model, adapters, scratch / f"stack-{round_}")
-                )
-                with starting as server:
+                with pair.start(name, model, adapters, scratch, round_, console, True) as server:
                     asyncio.run(pair.warm(server, *warming, 600))
                     before = pair.engine_steps(server, console)
                     result = asyncio.run(run(server.url, server.headers, scenario, 600))
                     after = pair.engine_steps(server, console)
                 column = phases(scenario, result)
-                column["engine steps"] = (
-                    None if before is None or after is None else after[0] - before[0]
-                )
+                column["engine steps"] = pair.steps_between(before, after)[0]
                 columns[f"{name} {round_}"] = column
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

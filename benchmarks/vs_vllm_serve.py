@@ -199,6 +199,33 @@ def lorafleet_stack(model: Path, adapters: dict[str, Path], state_dir: Path) -> 
         )
 
 
+def start(
+    name: str,
+    model: Path,
+    adapters: dict[str, Path],
+    scratch: Path,
+    round_: int,
+    console: Console,
+    colocated: bool,
+) -> contextlib.AbstractContextManager[Server]:
+    """``name``'s server (``VLLM`` or ``LORAFLEET``) for round ``round_``, its logs and state
+    in a directory of that round under ``scratch``."""
+    if name == VLLM:
+        return vllm_serve(model, adapters, scratch / f"logs-{round_}", console, colocated)
+    return lorafleet_stack(model, adapters, scratch / f"stack-{round_}")
+
+
+def steps_between(
+    before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> tuple[float | None, float | None]:
+    """Engine steps between two ``engine_steps`` readings, and tokens per step (``None``
+    where a reading is missing, or no step ran)."""
+    if before is None or after is None:
+        return None, None
+    steps = after[0] - before[0]
+    return steps, (after[1] - before[1]) / steps if steps else None
+
+
 def worker_metrics(stack: LocalStack) -> str | None:
     """The worker's metrics endpoint: any free port, which it announces in its heartbeat
     record (there once the stack is up: ``wait_worker`` waits for that record)."""
@@ -335,10 +362,7 @@ async def measure(
         result = await run(server.url, server.headers, scenario, timeout_s)
         after, steps_after = cpu_now(server), engine_steps(server, console)
         cpu_s = {name: round(after[name] - before[name], 2) for name in after}
-        steps = per_step = None
-        if steps_before is not None and steps_after is not None:
-            steps = steps_after[0] - steps_before[0]
-            per_step = (steps_after[1] - steps_before[1]) / steps if steps else None
+        steps, per_step = steps_between(steps_before, steps_after)
         measured[scenario.name] = Measured(result, cpu_s, steps, per_step)
         stats = summarise([result])
         engine = "" if per_step is None else f"; engine {steps:,.0f} steps, {per_step:.1f} tok/step"
@@ -572,18 +596,8 @@ def main() -> None:
             for name in (VLLM, LORAFLEET):
                 label = f"round {round_}/{args.rounds} {name}"
                 console.print(f"{label}: starting", markup=False)
-                starting = (
-                    vllm_serve(
-                        model,
-                        adapters,
-                        scratch / f"logs-{round_}",
-                        console,
-                        args.vllm_placement == COLOCATED,
-                    )
-                    if name == VLLM
-                    else lorafleet_stack(model, adapters, scratch / f"stack-{round_}")
-                )
-                with starting as server:
+                colocated = args.vllm_placement == COLOCATED
+                with start(name, model, adapters, scratch, round_, console, colocated) as server:
                     measured = asyncio.run(
                         measure(server, scenarios, warming, args.timeout_s, label, console)
                     )
