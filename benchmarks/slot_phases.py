@@ -52,9 +52,10 @@ def phases(scenario: Scenario, result: Run) -> dict[str, float | None]:
     if not spans:
         return {"failed": failed}
     start = min(sent for *_, sent in spans)
-    stop = max(sent for *_, sent in spans)  # the last send: past it, callers run out of work
-    if stop - start < 0.01:  # all sent at once (as many callers as requests): the whole run
+    if scenario.concurrency >= len(scenario.work):  # all sent at once: the whole run
         stop = max(last for _, last, *_ in spans)
+    else:  # to the last send: past it, callers run out of work
+        stop = max(sent for *_, sent in spans)
     length = stop - start
 
     def within(a: float, b: float) -> float:
