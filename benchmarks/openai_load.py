@@ -17,6 +17,7 @@ import asyncio
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,9 +141,16 @@ class Run:
     elapsed_s: float
 
 
-async def run(url: str, headers: dict[str, str], scenario: Scenario, timeout_s: float) -> Run:
+async def run(
+    url: str,
+    headers: dict[str, str],
+    scenario: Scenario,
+    timeout_s: float,
+    pause: Callable[[], float] | None = None,
+) -> Run:
     """Every request of ``scenario`` against the server at ``url``, on fresh connections;
-    ``timeout_s`` bounds each request."""
+    ``timeout_s`` bounds each request. ``pause``: seconds a lane waits before each send (a
+    request's times, ``sent_at`` included, start after it)."""
     connector = aiohttp.TCPConnector(limit=scenario.concurrency)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(
@@ -153,6 +161,8 @@ async def run(url: str, headers: dict[str, str], scenario: Scenario, timeout_s: 
 
         async def lane() -> None:
             for index, (model, prompt) in pending:
+                if pause is not None:
+                    await asyncio.sleep(pause())
                 ended[index] = await complete(http, scenario.body(model, prompt))
 
         start = time.perf_counter()
