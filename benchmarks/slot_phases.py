@@ -30,7 +30,9 @@ import asyncio
 import shutil
 import signal
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import vs_vllm_serve as pair
 from openai_load import Run, Scenario, percentile, run
@@ -106,38 +108,61 @@ def phases(scenario: Scenario, result: Run) -> dict[str, float | None]:
     }
 
 
+def streamed_scenario(parser: argparse.ArgumentParser, text: str) -> int:
+    """The concurrency of a ``--scenario`` given as "stream c=N" (else ``parser.error``)."""
+    kind, _, concurrency = text.partition(" c=")
+    if kind != "stream" or not concurrency.isdigit() or int(concurrency) < 1:
+        parser.error('--scenario: "stream c=N" (the figures need first and last text)')
+    return int(concurrency)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The fixtures of ``vs_vllm_serve.py`` in a scratch directory, and one streamed scenario
+    on them (its prompts and engine settings)."""
+
+    model: Path
+    adapters: dict[str, Path]
+    tokenizer: Any
+    scenario: Scenario
+    warming: tuple[list[str], str]
+
+
+def setup(scratch: Path, concurrency: int, requests: int) -> Setup:
+    from transformers import AutoTokenizer
+
+    specs = write_fixtures(scratch / "fixtures", adapters=pair.ADAPTERS)
+    model = scratch / "fixtures" / "base"
+    adapters = {spec.name: scratch / "fixtures" / "adapters" / spec.name for spec in specs}
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    shape = argparse.Namespace(
+        concurrency=[concurrency], requests=requests, single_requests=requests, short_requests=0
+    )
+    (scenario,) = [s for s in pair.plan(tokenizer, sorted(adapters), shape) if s.stream]
+    warming = (sorted(adapters), pair.exact_prompts(tokenizer, 1, seed=11)[0])
+    return Setup(model, adapters, tokenizer, scenario, warming)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2, help="A B rounds (vLLM, then lorafleet)")
     parser.add_argument("--scenario", default="stream c=64", help="stream c=N")
     parser.add_argument("--requests", type=int, default=256)
     args = parser.parse_args()
-    kind, _, concurrency = args.scenario.partition(" c=")
-    if kind != "stream" or not concurrency.isdigit() or int(concurrency) < 1:
-        parser.error('--scenario: "stream c=N" (the figures need first and last text)')
+    concurrency = streamed_scenario(parser, args.scenario)
     console = Console(width=170)
     signal.signal(signal.SIGTERM, interrupt_on_signal)
 
-    from transformers import AutoTokenizer
-
     scratch = Path(tempfile.mkdtemp(prefix="lorafleet-slot-phases-"))
     try:
-        specs = write_fixtures(scratch / "fixtures", adapters=pair.ADAPTERS)
-        model = scratch / "fixtures" / "base"
-        adapters = {spec.name: scratch / "fixtures" / "adapters" / spec.name for spec in specs}
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        shape = argparse.Namespace(
-            concurrency=[int(concurrency)], requests=args.requests,
-            single_requests=args.requests, short_requests=0,
-        )  # fmt: skip
-        (scenario,) = [s for s in pair.plan(tokenizer, sorted(adapters), shape) if s.stream]
-        warming = (sorted(adapters), pair.exact_prompts(tokenizer, 1, seed=11)[0])
+        ready = setup(scratch, concurrency, args.requests)
+        model, adapters, scenario = ready.model, ready.adapters, ready.scenario
         columns: dict[str, dict[str, float | None]] = {}
         for round_ in range(1, args.rounds + 1):
             for name in (pair.VLLM, pair.LORAFLEET):
                 console.print(f"round {round_}/{args.rounds} {name}: starting", markup=False)
                 with pair.start(name, model, adapters, scratch, round_, console, True) as server:
-                    asyncio.run(pair.warm(server, *warming, 600))
+                    asyncio.run(pair.warm(server, *ready.warming, 600))
                     before = pair.engine_steps(server, console)
                     result = asyncio.run(run(server.url, server.headers, scenario, 600))
                     after = pair.engine_steps(server, console)
