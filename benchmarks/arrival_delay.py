@@ -14,20 +14,23 @@ for a delay drawn from one of ``--delays``:
 - ``none``: sends at once, as ``vs_vllm_serve.py`` does (required: the others are compared
   with it);
 - ``uniform:MS``: uniform between 0 and ``MS`` ms (a spread, as a queue-fed service's);
-- ``constant:MS``: ``MS`` ms every time (the same mean as ``uniform:2MS``, no spread).
+- ``constant:MS``: ``MS`` ms every time (the same mean as ``uniform:2MS``, no spread);
+- ``empirical:FILE``: drawn from the delays ``profile_stack.py --arrivals FILE`` measured on
+  lorafleet (send -> ready for the engine, its slot wait left out), independently per send.
+
+``--server lorafleet`` runs the same on lorafleet's stack instead (its own delay comes on top).
 
 Each round runs every delay once, in an order rotated per round, each on prompts of its own
 (no prefix cache hit between runs). Per run: the engine's steps and tokens per step (vLLM's
 own ``vllm:iteration_tokens_total``), wall time, and ``slot_phases.phases``' figures; a
 request's times start after its delay (first text is the server's, not the caller's wait;
-callers idle now include the callers pausing).
-The last table gives each delay's steps and wall time over those of ``none`` in the same
+callers idle now include the callers pausing). The last table gives each delay's steps and wall time over those of ``none`` in the same
 round. Steps are the figure to read: wall time also holds the callers' own waits (the mean
 delay times the requests each caller sends).
 
-    .venv/bin/python benchmarks/arrival_delay.py [--rounds 3]
-        [--delays none uniform:300 constant:150] [--scenario "stream c=64"] [--requests 256]
-        [--json FILE]
+    .venv/bin/python benchmarks/arrival_delay.py [--rounds 3] [--server vllm|lorafleet]
+        [--delays none uniform:300 constant:150 empirical:FILE] [--scenario "stream c=64"]
+        [--requests 256] [--json FILE]
 """
 
 from __future__ import annotations
@@ -64,15 +67,33 @@ def pause_of(spec: str, rng: random.Random) -> Callable[[], float] | None:
     if spec == NONE:
         return None
     kind, _, ms = spec.partition(":")
+    if kind == "empirical":
+        return empirical(spec, Path(ms), rng)
     try:
         bound = float(ms) / 1000
     except ValueError:
         bound = -1.0
     if not (math.isfinite(bound) and bound >= 0) or kind not in ("uniform", "constant"):
-        raise argparse.ArgumentTypeError(f"{spec!r}: none, uniform:MS or constant:MS (MS >= 0)")
+        raise argparse.ArgumentTypeError(
+            f"{spec!r}: none, uniform:MS, constant:MS (MS >= 0) or empirical:FILE"
+        )
     if kind == "uniform":
         return lambda: rng.uniform(0, bound)
     return lambda: bound
+
+
+def empirical(spec: str, path: Path, rng: random.Random) -> Callable[[], float]:
+    """Delays drawn from those ``profile_stack.py --arrivals`` wrote (ms), one at random per
+    send (independent draws: lorafleet's late arrivals cluster on its busy moments, these
+    do not)."""
+    try:
+        values = json.loads(path.read_text())["ms"]
+        delays = [float(v) / 1000 for v in values]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"{spec!r}: {exc}") from None
+    if not delays or not all(math.isfinite(d) and d >= 0 for d in delays):
+        raise argparse.ArgumentTypeError(f"{spec!r}: no delays, or one not a finite ms >= 0")
+    return lambda: rng.choice(delays)
 
 
 def commit() -> str | None:
@@ -107,9 +128,11 @@ def main() -> None:
     parser.add_argument("--delays", nargs="+", default=[NONE, "uniform:300", "constant:150"])
     parser.add_argument("--scenario", default="stream c=64", help="stream c=N")
     parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--server", choices=["vllm", "lorafleet"], default="vllm")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     concurrency = slot_phases.streamed_scenario(parser, args.scenario)
+    server_name = pair.VLLM if args.server == "vllm" else pair.LORAFLEET
     if args.rounds < 1 or args.requests < 1 or len(set(args.delays)) != len(args.delays):
         parser.error("--rounds and --requests >= 1, and each delay once")
     if NONE not in args.delays:
@@ -127,9 +150,9 @@ def main() -> None:
     try:
         ready = slot_phases.setup(scratch, concurrency, args.requests)
         scenario, names = ready.scenario, sorted(ready.adapters)
-        console.print(f"{pair.VLLM}: starting", markup=False)
+        console.print(f"{server_name}: starting", markup=False)
         with pair.start(
-            pair.VLLM, ready.model, ready.adapters, scratch, 1, console, True
+            server_name, ready.model, ready.adapters, scratch, 1, console, True
         ) as server:
             asyncio.run(pair.warm(server, *ready.warming, 600))
             seed = 1000
@@ -161,7 +184,7 @@ def main() -> None:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    title = f"{pair.VLLM}, {scenario.name}, {args.requests} requests, {pair.ADAPTERS} adapters, "
+    title = f"{server_name}, {scenario.name}, {args.requests} requests, {pair.ADAPTERS} adapters, "
     table = Table(title=title + f"max_loras {pair.ENGINE['max_loras']}, one row a run")
     columns = {  # heading: slot_phases.phases' row (or this script's)
         "delay": "",
@@ -217,6 +240,7 @@ def main() -> None:
         args.json.write_text(
             json.dumps(
                 {
+                    "server": server_name,
                     "scenario": scenario.name,
                     "requests": args.requests,
                     "rounds": args.rounds,

@@ -17,7 +17,10 @@ the worker's shares as coarse, and its sample count is printed with them.
 The unprofiled run also prints where a request's time went: sent -> accepted by the gateway,
 -> claimed by a worker, -> first text in Redis (the engine's own time to first token beside
 it), -> first text at the client (streamed; unstreamed: -> outcome stored -> answer), from the
-client's clock, the job's record and its stream's entry ids (one machine, one clock).
+client's clock, the job's record and its stream's entry ids (one machine, one clock); and
+sent -> claimed, and sent -> ready for the engine (the slot wait left out), end to end per
+request: the delay ``arrival_delay.py`` puts in front of ``vllm serve``, written per request
+with ``--arrivals FILE``.
 """
 
 from __future__ import annotations
@@ -118,11 +121,15 @@ def _seconds(iso: str) -> float:
     return datetime.datetime.fromisoformat(iso).timestamp()
 
 
-def timeline(result: Run, redis_url: str) -> Table:
+def timeline(result: Run, redis_url: str) -> tuple[Table, list[float]]:
     """Where a request's time went, p50 and p90 over the successful ones (ms), from the
     client's clock, the job's record (accepted, claimed: the gateway's and the worker's
-    clocks) and its stream (each entry's id is Redis's clock): one machine, one clock."""
+    clocks) and its stream (each entry's id is Redis's clock): one machine, one clock. And
+    each request's arrival (s): from its send to the moment the worker would have handed it
+    to the engine but for the adapter-slot gate (claimed, plus the time to the engine less
+    the slot wait), the delay ``arrival_delay.py`` can put in front of ``vllm serve``."""
     columns: dict[str, list[float]] = collections.defaultdict(list)
+    arrivals: list[float] = []
     good = [o for o in result.outcomes if o.error is None and o.job_id and o.metadata]
     with Redis.from_url(redis_url, decode_responses=True) as redis:
         for outcome in good:
@@ -131,6 +138,7 @@ def timeline(result: Run, redis_url: str) -> Table:
             claimed = _seconds(record["started_at"])
             columns["gateway: sent -> accepted"].append(accepted - outcome.sent_at)
             columns["admitted -> a worker claimed it"].append(claimed - accepted)
+            columns["sent -> claimed (end to end)"].append(claimed - outcome.sent_at)
             if outcome.first_s is not None:
                 entries: Any = redis.xrange(stream_key(str(outcome.job_id)))
                 texts = [int(i.split("-")[0]) / 1000 for i, fields in entries if "text" in fields]
@@ -153,6 +161,10 @@ def timeline(result: Run, redis_url: str) -> Table:
             ):
                 if metadata.get(field) is not None:
                     columns[name].append(metadata[field] / 1000)
+            if metadata.get("to_engine_ms") is not None:
+                gated = (metadata["to_engine_ms"] - (metadata.get("slot_wait_ms") or 0)) / 1000
+                arrivals.append(claimed - outcome.sent_at + gated)
+                columns["sent -> ready for the engine (slot wait left out)"].append(arrivals[-1])
             columns["client: whole request"].append(outcome.e2e_s)
     out = Table(title=f"where a request's time went ({len(good)} requests, ms)")
     for heading in ("", "p50", "p90"):
@@ -160,7 +172,7 @@ def timeline(result: Run, redis_url: str) -> Table:
     for name, values in columns.items():
         p50, p90 = percentile(values, 50), percentile(values, 90)
         out.add_row(name, *("-" if v is None else f"{v * 1000:,.1f}" for v in (p50, p90)))
-    return out
+    return out, arrivals
 
 
 def main() -> None:
@@ -171,6 +183,12 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=200, help="samples per second asked of py-spy")
     parser.add_argument("--top", type=int, default=25, help="rows per table")
     parser.add_argument("--out", type=Path, help="where the raw stacks go (default: a new dir)")
+    parser.add_argument(
+        "--arrivals",
+        type=Path,
+        help="write each request's send -> ready for the engine (ms, JSON) of the unprofiled "
+        "run here, for arrival_delay.py --delays empirical:FILE",
+    )
     args = parser.parse_args()
     spy = py_spy()
     console = Console(width=200)
@@ -218,7 +236,12 @@ def main() -> None:
                 if not profiled:
                     cpu = used
                     assert server.redis_url is not None
-                    console.print(timeline(result, server.redis_url))
+                    shown, arrivals = timeline(result, server.redis_url)
+                    console.print(shown)
+                    if args.arrivals:
+                        args.arrivals.write_text(
+                            json.dumps({"scenario": label, "ms": [a * 1000 for a in arrivals]})
+                        )
                 console.print(
                     f"{'profiled' if profiled else 'unprofiled'} {label}: {stats.ok} ok, "
                     f"{stats.failed} failed, {result.elapsed_s:.2f} s; CPU s: "
