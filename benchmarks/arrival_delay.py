@@ -1,22 +1,23 @@
-"""``vllm serve`` with requests reaching it late: what a delay between a request's end and its
-caller's next request costs vLLM's batching when adapters share slots.
+"""``vllm serve`` (or lorafleet) with requests reaching it late: what a delay between a
+request's end and its caller's next request costs vLLM's batching when adapters share slots.
 
 At 64 streamed requests at a time over 8 adapters and 4 slots (``slot_phases.py``),
 lorafleet's engine runs 13-72% more steps than ``vllm serve``'s for the same tokens, under
-every slot rule tried, vLLM's own included. On lorafleet a request reaches a worker some time
-after it was sent (gateway, queue, claim: ``profile_stack.py`` prints the split; at 64 at a
-time on a 2-core machine, about 150 ms at the median and 370 ms at p90, adding the stages'
-percentiles); on ``vllm serve`` at once. This puts such a delay, and nothing else of
-lorafleet, in front of ``vllm serve``: one server, the same closed-loop load as
-``vs_vllm_serve.py --concurrency N`` (``--scenario``), and before each send its caller waits
-for a delay drawn from one of ``--delays``:
+every slot rule tried, vLLM's own included. On lorafleet a request reaches the engine some
+time after it was sent (gateway, queue, claim: ``profile_stack.py`` prints the split and the
+whole, send -> ready for the engine); on ``vllm serve`` at once. This puts such a delay, and
+nothing else of lorafleet, in front of ``vllm serve``: one server, the same closed-loop load
+as ``vs_vllm_serve.py --concurrency N`` (``--scenario``), and before each send its caller
+waits for a delay drawn from one of ``--delays``:
 
 - ``none``: sends at once, as ``vs_vllm_serve.py`` does (required: the others are compared
   with it);
 - ``uniform:MS``: uniform between 0 and ``MS`` ms (a spread, as a queue-fed service's);
 - ``constant:MS``: ``MS`` ms every time (the same mean as ``uniform:2MS``, no spread);
 - ``empirical:FILE``: drawn from the delays ``profile_stack.py --arrivals FILE`` measured on
-  lorafleet (send -> ready for the engine, its slot wait left out), independently per send.
+  lorafleet (send -> ready for the engine, its slot wait left out), independently per send;
+  the file's scenario should be this run's. They hold lorafleet's HTTP handling and adapter
+  load, which ``vllm serve`` then pays again after the send (small once warm).
 
 ``--server lorafleet`` runs the same on lorafleet's stack instead (its own delay comes on top).
 
@@ -24,9 +25,10 @@ Each round runs every delay once, in an order rotated per round, each on prompts
 (no prefix cache hit between runs). Per run: the engine's steps and tokens per step (vLLM's
 own ``vllm:iteration_tokens_total``), wall time, and ``slot_phases.phases``' figures; a
 request's times start after its delay (first text is the server's, not the caller's wait;
-callers idle now include the callers pausing). The last table gives each delay's steps and wall time over those of ``none`` in the same
-round. Steps are the figure to read: wall time also holds the callers' own waits (the mean
-delay times the requests each caller sends).
+"callers idle", in the JSON only, includes the callers pausing). The last table gives each
+delay's steps and wall time over those of ``none`` in the same round. Steps are the figure to
+read: wall time also holds the callers' own waits (the mean delay times the requests each
+caller sends).
 
     .venv/bin/python benchmarks/arrival_delay.py [--rounds 3] [--server vllm|lorafleet]
         [--delays none uniform:300 constant:150 empirical:FILE] [--scenario "stream c=64"]
@@ -49,17 +51,17 @@ import tempfile
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 import slot_phases
 import vs_vllm_serve as pair
-from openai_load import run
+from openai_load import percentile, run
 from rich.console import Console
 from rich.table import Table
 
 from lorafleet.processes import interrupt_on_signal
 
 NONE = "none"
-IDLE = "callers idle or pausing (last text to next send)"
 
 
 def pause_of(spec: str, rng: random.Random) -> Callable[[], float] | None:
@@ -88,12 +90,26 @@ def empirical(spec: str, path: Path, rng: random.Random) -> Callable[[], float]:
     do not)."""
     try:
         values = json.loads(path.read_text())["ms"]
+        if not isinstance(values, list):
+            raise TypeError("'ms' is not a list")
         delays = [float(v) / 1000 for v in values]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise argparse.ArgumentTypeError(f"{spec!r}: {exc}") from None
     if not delays or not all(math.isfinite(d) and d >= 0 for d in delays):
         raise argparse.ArgumentTypeError(f"{spec!r}: no delays, or one not a finite ms >= 0")
     return lambda: rng.choice(delays)
+
+
+def empirical_source(path: Path) -> dict[str, Any]:
+    """What an ``empirical:FILE`` holds, for the record (read after ``empirical`` took it)."""
+    found = json.loads(path.read_text())
+    values = [float(v) for v in found["ms"]]
+    return {
+        "scenario": found.get("scenario"),
+        "delays": len(values),
+        "p50_ms": percentile(values, 50),
+        "p90_ms": percentile(values, 90),
+    }
 
 
 def commit() -> str | None:
@@ -142,7 +158,16 @@ def main() -> None:
         pauses = {spec: pause_of(spec, rng) for spec in args.delays}
     except argparse.ArgumentTypeError as exc:
         parser.error(f"--delays: {exc}")
+    sources = {
+        spec: empirical_source(Path(spec.partition(":")[2]))
+        for spec in args.delays
+        if spec.startswith("empirical:")
+    }
     console = Console(width=170)
+    for spec, source in sources.items():
+        console.print(f"{spec}: {source}", markup=False)
+        if source["scenario"] != args.scenario:
+            console.print(f"warning: {spec} was measured under another scenario", markup=False)
     signal.signal(signal.SIGTERM, interrupt_on_signal)
 
     scratch = Path(tempfile.mkdtemp(prefix="lorafleet-arrival-delay-"))
@@ -169,8 +194,6 @@ def main() -> None:
                     result = asyncio.run(run(server.url, server.headers, this, 600, pauses[spec]))
                     after = pair.engine_steps(server, console)
                     figures = slot_phases.phases(this, result)
-                    # Out of work or pausing: between a request's last text and the next send.
-                    figures[IDLE] = figures.pop("callers idle (last text to next send)", None)
                     figures["engine steps"], figures["tokens per step"] = pair.steps_between(
                         before, after
                     )
@@ -245,6 +268,7 @@ def main() -> None:
                     "requests": args.requests,
                     "rounds": args.rounds,
                     "delays": args.delays,
+                    "empirical": sources,
                     "commit": commit(),
                     "vllm": vllm_version(),
                     "engine": pair.ENGINE,

@@ -126,8 +126,9 @@ def timeline(result: Run, redis_url: str) -> tuple[Table, list[float]]:
     client's clock, the job's record (accepted, claimed: the gateway's and the worker's
     clocks) and its stream (each entry's id is Redis's clock): one machine, one clock. And
     each request's arrival (s): from its send to the moment the worker would have handed it
-    to the engine but for the adapter-slot gate (claimed, plus the time to the engine less
-    the slot wait), the delay ``arrival_delay.py`` can put in front of ``vllm serve``."""
+    to the engine but for the adapter-slot gate (accepted, then the queue wait to the job's
+    start on the worker and its time to the engine, less the slot wait), the delay
+    ``arrival_delay.py`` can put in front of ``vllm serve``."""
     columns: dict[str, list[float]] = collections.defaultdict(list)
     arrivals: list[float] = []
     good = [o for o in result.outcomes if o.error is None and o.job_id and o.metadata]
@@ -155,15 +156,18 @@ def timeline(result: Run, redis_url: str) -> tuple[Table, list[float]]:
                 )
             metadata: dict[str, Any] = outcome.metadata  # type: ignore[assignment]
             for field, name in (
-                ("to_engine_ms", "worker: claimed -> in the engine"),
+                ("to_engine_ms", "worker: job started (after its claim) -> in the engine"),
                 ("slot_wait_ms", "  of it, waiting for an adapter slot"),
                 ("ttft_ms", "engine's own: arrival -> first token"),
             ):
                 if metadata.get(field) is not None:
                     columns[name].append(metadata[field] / 1000)
             if metadata.get("to_engine_ms") is not None:
-                gated = (metadata["to_engine_ms"] - (metadata.get("slot_wait_ms") or 0)) / 1000
-                arrivals.append(claimed - outcome.sent_at + gated)
+                # From acceptance to the job's start on the worker (the claim included), then
+                # to the engine, less the slot wait: one clock from ``accepted_at`` on.
+                worker_ms = metadata["queue_wait_ms"] + metadata["to_engine_ms"]
+                ready = worker_ms - (metadata.get("slot_wait_ms") or 0)
+                arrivals.append(accepted - outcome.sent_at + ready / 1000)
                 columns["sent -> ready for the engine (slot wait left out)"].append(arrivals[-1])
             columns["client: whole request"].append(outcome.e2e_s)
     out = Table(title=f"where a request's time went ({len(good)} requests, ms)")
@@ -240,7 +244,13 @@ def main() -> None:
                     console.print(shown)
                     if args.arrivals:
                         args.arrivals.write_text(
-                            json.dumps({"scenario": label, "ms": [a * 1000 for a in arrivals]})
+                            json.dumps(
+                                {
+                                    "scenario": label,
+                                    "requests": args.requests,
+                                    "ms": [a * 1000 for a in arrivals],
+                                }
+                            )
                         )
                 console.print(
                     f"{'profiled' if profiled else 'unprofiled'} {label}: {stats.ok} ok, "
