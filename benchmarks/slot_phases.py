@@ -118,8 +118,8 @@ def streamed_scenario(parser: argparse.ArgumentParser, text: str) -> int:
 
 @dataclass(frozen=True)
 class Setup:
-    """The fixtures of ``vs_vllm_serve.py`` in a scratch directory, and one streamed scenario
-    on them (its prompts and engine settings)."""
+    """The fixtures of ``vs_vllm_serve.py`` in a scratch directory, one streamed scenario on
+    them (its prompts: ``vs_vllm_serve.plan``'s), and a prompt to warm a server with."""
 
     model: Path
     adapters: dict[str, Path]
