@@ -41,7 +41,9 @@ above 1 (16 by default).
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from queue import Empty
 from typing import Any, cast
@@ -102,6 +104,52 @@ return taken
 """
 
 
+_taken_over: set[str] = set()
+_taken_over_lock = threading.Lock()
+
+
+def taken_over(delivery_tag: str) -> None:
+    """The job of ``delivery_tag`` is another attempt's now: acking it must leave the broker's
+    record of the delivery alone.
+
+    A worker that stalls past its heartbeat and its job's lease has its delivery handed back
+    (by a reaper, or the visibility timeout) and received again by another worker, which
+    records it under the same delivery tag (the tag travels with the message) and claims the
+    job. When the stalled attempt wakes and ends without an outcome, its ack would remove
+    that record: the new holder's, and if the new holder then died nothing would be left to
+    hand back (the job would wait for its deadline). Called before the task returns; its ack
+    then only forgets the delivery in this process."""
+    with _taken_over_lock:
+        _taken_over.add(delivery_tag)
+
+
+def _is_taken_over(delivery_tag: str, forget: bool = False) -> bool:
+    with _taken_over_lock:
+        if delivery_tag not in _taken_over:
+            return False
+        if forget:
+            _taken_over.discard(delivery_tag)
+        return True
+
+
+def _unless_taken_over(ack: Any) -> Any:
+    """kombu's Redis ``QoS.ack``, which forgets the delivery here only for a delivery
+    ``taken_over`` (installed for every kombu Redis channel of the worker, batched or not)."""
+
+    @functools.wraps(ack)
+    def _ack(self: Any, delivery_tag: str) -> None:
+        if _is_taken_over(delivery_tag, forget=True):
+            log.info("delivery %s: its record is another worker's now; left in place", delivery_tag)
+            VirtualQoS.ack(self, delivery_tag)
+            return
+        ack(self, delivery_tag)
+
+    return _ack
+
+
+kombu_redis.QoS.ack = _unless_taken_over(kombu_redis.QoS.ack)  # type: ignore[method-assign]
+
+
 def unacked_record(payload: dict[str, Any]) -> str:
     """What kombu's ``QoS.append`` stores under a delivery tag: ``[payload, exchange, key]``."""
     info = payload["properties"]["delivery_info"]
@@ -127,10 +175,14 @@ class BatchedQoS(kombu_redis.QoS):
         )
 
     def ack(self, delivery_tag: str) -> None:
-        if not self.channel._kombus_read() and self.acks.put(delivery_tag):
+        if (
+            not self.channel._kombus_read()
+            and not _is_taken_over(delivery_tag)
+            and self.acks.put(delivery_tag)
+        ):
             VirtualQoS.ack(self, delivery_tag)
         else:
-            super().ack(delivery_tag)
+            super().ack(delivery_tag)  # kombu's (which leaves a record taken over in place)
 
     def _write_acks(self, tags: list[str]) -> None:
         """One ``MULTI`` removing the records of all ``tags`` (kombu's ack, for many)."""

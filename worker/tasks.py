@@ -25,6 +25,7 @@ from worker import metrics
 from worker.celery_app import app, runtime
 from worker.errors import JobFailure, JobStopped, StopReason, StoreUnreachable
 from worker.job_store import ClaimOutcome
+from worker.receive import taken_over
 from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -103,10 +104,27 @@ def _run(rt: WorkerRuntime, payload: dict[str, Any], delivery: str) -> None:
     if claim.outcome != ClaimOutcome.RUN or claim.job is None:
         log.info("job %s not run: %s", message.job_id, claim.outcome.value)
         return
-    _attempt(rt, message, claim.job, began)
+    _attempt(rt, message, claim.job, began, delivery)
 
 
-def _attempt(rt: WorkerRuntime, message: JobMessage, running: JobPublic, began: float) -> None:
+def _unless_ended(rt: WorkerRuntime, running: JobPublic, delivery: str) -> None:
+    """This attempt's outcome was refused: if the job has not ended, another attempt took it
+    over (after this one's lease lapsed), and the broker's record of the delivery is that
+    attempt's now (``worker.receive.taken_over``)."""
+    current = rt.jobs.get(running.id)
+    if current is not None and not current.status.terminal:
+        log.warning(
+            "job %s: attempt %d's outcome refused; attempt %d holds the job",
+            running.id,
+            running.attempts,
+            current.attempts,
+        )
+        taken_over(delivery)
+
+
+def _attempt(
+    rt: WorkerRuntime, message: JobMessage, running: JobPublic, began: float, delivery: str
+) -> None:
     """Run the attempt just claimed and store its outcome (or hand the job back)."""
     last_chance = 0 < running.engine_failures >= rt.settings.max_attempts - 1
     with rt.inflight.track(message.job_id, running.attempts, began) as handle:
@@ -114,8 +132,11 @@ def _attempt(rt: WorkerRuntime, message: JobMessage, running: JobPublic, began: 
             result, metadata = rt.runner.run(message, handle, last_chance)
         except JobStopped as stopped:
             if stopped.reason in (StopReason.CANCELLED, StopReason.LEASE_LOST):
-                # Cancelled: the record says so. Lease lost: another attempt owns the job.
+                # Cancelled: the record says so. Lease lost: another attempt owns the job, and
+                # the broker's record of this delivery with it.
                 log.info("job %s stopped while running: %s", message.job_id, stopped.reason)
+                if stopped.reason == StopReason.LEASE_LOST:
+                    taken_over(delivery)
                 return
             if stopped.reason == StopReason.ENGINE_FAILED:
                 given = rt.jobs.survive_engine(running, handle.in_engine, rt.settings.max_attempts)
@@ -139,6 +160,8 @@ def _attempt(rt: WorkerRuntime, message: JobMessage, running: JobPublic, began: 
             body = ErrorBody(code=failure.code, message=failure.message)
             if rt.jobs.fail(running, body, failure.metadata):
                 metrics.job_finished(message, "failed", failure.code, failure.metadata)
+            else:
+                _unless_ended(rt, running, delivery)
             return
         except (RedisError, StoreUnreachable):
             raise
@@ -150,6 +173,8 @@ def _attempt(rt: WorkerRuntime, message: JobMessage, running: JobPublic, began: 
             )
             if rt.jobs.fail(running, body, None):
                 metrics.job_finished(message, "failed", ErrorCode.ENGINE_ERROR, None)
+            else:
+                _unless_ended(rt, running, delivery)
             sentry_sdk.capture_exception(exc)
             return
         # Still tracked (its lease renewed, a drain waiting for it) while S3 takes it.
@@ -157,5 +182,7 @@ def _attempt(rt: WorkerRuntime, message: JobMessage, running: JobPublic, began: 
         kept, metadata = rt.results.place(message.tenant, result, metadata, budget_s)
     if rt.jobs.succeed(running, kept, metadata):
         metrics.job_finished(message, "succeeded", None, metadata)
+    else:
+        _unless_ended(rt, running, delivery)
     if handle.cpu_resumed is not None:
         metrics.JOB_CPU.labels("finish").inc(time.thread_time() - handle.cpu_resumed)

@@ -368,3 +368,39 @@ def test_one_at_a_time_acks_as_kombu_does(infra: LocalStack, redis: Redis, queue
         assert got[0].channel.qos.acks._thread is None
     finally:
         connection.close()
+
+
+@pytest.mark.parametrize("batch", [RECEIVE_BATCH, 1], ids=["batched", "kombu"])
+def test_an_ack_of_a_delivery_taken_over_leaves_its_record_for_the_new_holder(
+    infra: LocalStack, redis: Redis, queue: str, batch: int
+) -> None:
+    """Another worker received the same message again (same delivery tag) and runs its job:
+    this worker's ack only forgets the delivery here (closing the channel does not put it
+    back either). The record stays for the new holder, and once that delivery comes back
+    (its holder died: restored by tag) a later ack removes it."""
+    raws = _push(redis, queue, 2)
+    taken, kept = _tag(raws[0]), _tag(raws[1])
+    options = {"receive_batch": batch}
+    connection, got = _one_read(infra.redis_url, queue, prefetch=2, options=options)
+    try:
+        if batch == 1:
+            connection.drain_events(timeout=10)  # one message a read
+        assert [m.delivery_tag for m in got] == [taken, kept]
+        receive.taken_over(taken)
+        for message in got:
+            message.ack()
+        until(lambda: not _recorded(redis, raws[1]))
+    finally:
+        connection.close()  # puts back what was delivered and not acknowledged: nothing
+    assert _recorded(redis, raws[0])
+    assert redis.llen(queue) == 0
+    # The new holder dies; its delivery is handed back and received here again.
+    with Connection(infra.redis_url) as plain:
+        plain.default_channel.qos.restore_by_tag(taken)
+    connection, got = _one_read(infra.redis_url, queue, prefetch=1, options=options)
+    try:
+        assert [m.delivery_tag for m in got] == [taken]
+        got[0].ack()
+        until(lambda: not _recorded(redis, raws[0]))
+    finally:
+        connection.close()

@@ -5,16 +5,26 @@ mistaken for its dead predecessor.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import time
 
 import pytest
 
 from contracts.errors import ErrorCode
+from contracts.keys import held_key
 from lorafleet.processes import Child
 from tests.helpers import submit_job
-from tests.integration.fleet.conftest import Fleet, StreamingCompletion, kill_group
+from tests.integration.fleet.conftest import (
+    MAX_ATTEMPTS,
+    UNACKED,
+    Fleet,
+    StreamingCompletion,
+    engine_core,
+    kill_group,
+)
 
 STREAMS = 10
 IN_POD = ["unshare", "--pid", "--fork", "--mount-proc"]
@@ -61,6 +71,65 @@ def test_redis_down_longer_than_heartbeats_and_leases_starts_no_second_attempt(
         assert job.error is None or job.error.code != ErrorCode.ATTEMPTS_EXHAUSTED
     assert all(worker.alive() for worker in workers), "a worker restarted instead of riding it out"
     assert fleet.admitted() == {"tier": 0, "tenant": 0}
+
+
+def test_an_attempt_that_lost_its_lease_leaves_the_delivery_to_the_attempt_that_took_it(
+    fleet: Fleet,
+) -> None:
+    """Worker A runs a job and stalls (SIGSTOP) past its heartbeat and its lease: B's reaper
+    hands the message back, B receives it (the broker's record of it is under the same
+    delivery tag as A's) and claims the job. A wakes, finds its lease lost and stops its
+    attempt; its ack must leave the broker's record alone, for it is B's now. Then B dies:
+    its delivery must be handed back again, and the job end at once (its third attempt of
+    two allowed: ``attempts_exhausted``), not stay running until its deadline."""
+    workers = fleet.workers()
+    assert len(workers) == 2, [worker.name for worker in workers]
+    # Both engines held: the job stays in whichever engine it reaches, so it outlasts all
+    # of this (well within the engine probe's 60 s).
+    cores = [engine_core(worker) for worker in workers]
+    for core in cores:
+        core.suspend()
+    try:
+        job_id = submit_job(fleet.api, fleet.alias)["id"]
+        first = fleet.worker_running(fleet.wait_job(job_id, lambda j: j.worker is not None, 60))
+        second = next(worker for worker in workers if worker is not first)
+        second_id = fleet.worker_id(second)
+        os.kill(first.pid, signal.SIGSTOP)  # its Python only: no heartbeat, no lease renewal
+        try:
+            taken = fleet.wait_job(job_id, lambda job: job.worker == second_id, 60)
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
+        assert taken.attempts == 2, taken.model_dump_json()
+        held = fleet.redis.hgetall(held_key(second_id))
+        tags = [tag for tag, task_id in held.items() if task_id == job_id]  # type: ignore[union-attr]
+        assert len(tags) == 1, held
+        # A finds its lease gone at its next renewal (every 2 s) and stops its attempt.
+        deadline = time.monotonic() + 30
+        while f"job {job_id} stopped while running: lease_lost" not in first.log_path.read_text():
+            assert time.monotonic() < deadline, first.log_tail()
+            time.sleep(0.1)
+        # Its ack is written within milliseconds of that: give it a second.
+        time.sleep(1)
+        assert fleet.redis.hexists(UNACKED[0], tags[0]), "A's ack removed B's delivery"
+        assert fleet.job(job_id).worker == second_id
+    finally:
+        for core in cores:
+            if core.is_running():
+                core.resume()
+    kill_group(second)
+    # B's reaper-to-be is A: within a heartbeat expiry and a sweep, not by the deadline.
+    ended = fleet.wait_job(job_id, lambda job: job.status.terminal, 60)
+    assert ended.status == "failed", ended.model_dump_json()
+    assert ended.error is not None and ended.error.code == ErrorCode.ATTEMPTS_EXHAUSTED
+    assert ended.attempts == MAX_ATTEMPTS
+    # The delivery that ended it was acknowledged: nothing of the job's is left to restore.
+    # (Only this delivery: an earlier test's ack lost to its Redis restart may still be there.)
+    deadline = time.monotonic() + 30
+    while fleet.redis.hexists(UNACKED[0], tags[0]):
+        assert time.monotonic() < deadline, "the last delivery was never acknowledged"
+        time.sleep(0.1)
+    assert fleet.admitted() == {"tier": 0, "tenant": 0}
+    fleet.replace([second])
 
 
 @pytest.mark.skipif(not _pid_namespaces(), reason="needs pid namespaces (unshare, as root)")
