@@ -12,7 +12,9 @@ script instead of ``n`` of each, and the extra messages are never off the list u
 (kombu pops and records in two steps; the first message of a batch still has that window, as
 with kombu alone). Everything that reads those records is unchanged: kombu's acks, its
 visibility-timeout restore and its restore of unstarted messages at shutdown, and
-``worker.reaper``, which restores a dead worker's deliveries by tag.
+``worker.reaper``, which restores a dead worker's deliveries by tag. (One change to kombu's
+ack, batched or not: a delivery whose job another attempt took over is only forgotten here,
+its record left to the worker that holds it now, ``taken_over``.)
 
 The prefetch limit holds: a batch takes no more than the QoS allows
 (``can_consume_max_estimate``), so ``worker_prefetch_multiplier`` still bounds what a worker
@@ -123,7 +125,9 @@ def taken_over(delivery_tag: str) -> None:
         _taken_over.add(delivery_tag)
 
 
-def _is_taken_over(delivery_tag: str, forget: bool = False) -> bool:
+def is_taken_over(delivery_tag: str, forget: bool = False) -> bool:
+    """Whether ``delivery_tag`` was marked ``taken_over`` and not acknowledged since
+    (``forget``: and unmark it, as its ack does)."""
     with _taken_over_lock:
         if delivery_tag not in _taken_over:
             return False
@@ -138,7 +142,7 @@ def _unless_taken_over(ack: Any) -> Any:
 
     @functools.wraps(ack)
     def _ack(self: Any, delivery_tag: str) -> None:
-        if _is_taken_over(delivery_tag, forget=True):
+        if is_taken_over(delivery_tag, forget=True):
             log.info("delivery %s: its record is another worker's now; left in place", delivery_tag)
             VirtualQoS.ack(self, delivery_tag)
             return
@@ -177,7 +181,7 @@ class BatchedQoS(kombu_redis.QoS):
     def ack(self, delivery_tag: str) -> None:
         if (
             not self.channel._kombus_read()
-            and not _is_taken_over(delivery_tag)
+            and not is_taken_over(delivery_tag)
             and self.acks.put(delivery_tag)
         ):
             VirtualQoS.ack(self, delivery_tag)

@@ -25,7 +25,7 @@ from worker import metrics
 from worker.celery_app import app, runtime
 from worker.errors import JobFailure, JobStopped, StopReason, StoreUnreachable
 from worker.job_store import ClaimOutcome
-from worker.receive import taken_over
+from worker.receive import is_taken_over, taken_over
 from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,10 @@ def run_job(payload: dict[str, Any]) -> None:
         raise Reject(f"job store unreachable: {exc}", requeue=True) from None
     finally:
         # The outcome is stored (or the job handed back): nothing for a reaper to restore.
-        rt.held.finished(delivery)
+        # Unless another attempt took the job over: a reaper took this delivery back already,
+        # and if this worker received it again, its entry is that delivery's.
+        if not is_taken_over(delivery):
+            rt.held.finished(delivery)
 
 
 def _hand_back(rt: WorkerRuntime, why: str) -> NoReturn:
@@ -107,19 +110,23 @@ def _run(rt: WorkerRuntime, payload: dict[str, Any], delivery: str) -> None:
     _attempt(rt, message, claim.job, began, delivery)
 
 
-def _unless_ended(rt: WorkerRuntime, running: JobPublic, delivery: str) -> None:
-    """This attempt's outcome was refused: if the job has not ended, another attempt took it
-    over (after this one's lease lapsed), and the broker's record of the delivery is that
-    attempt's now (``worker.receive.taken_over``)."""
+def _leave_if_taken_over(rt: WorkerRuntime, running: JobPublic, delivery: str) -> bool:
+    """This attempt ends without its outcome (refused, or its lease lost): if the job has not
+    ended, another attempt took it over after this one's lease lapsed, and the broker's record
+    of the delivery is that attempt's now: this worker's ack must leave it
+    (``worker.receive.taken_over``). Whether it was taken over."""
     current = rt.jobs.get(running.id)
-    if current is not None and not current.status.terminal:
-        log.warning(
-            "job %s: attempt %d's outcome refused; attempt %d holds the job",
-            running.id,
-            running.attempts,
-            current.attempts,
-        )
-        taken_over(delivery)
+    if current is None or current.status.terminal:
+        return False
+    log.warning(
+        "job %s: attempt %d ends without an outcome; attempt %d (worker %s) holds the job",
+        running.id,
+        running.attempts,
+        current.attempts,
+        current.worker,
+    )
+    taken_over(delivery)
+    return True
 
 
 def _attempt(
@@ -136,7 +143,7 @@ def _attempt(
                 # the broker's record of this delivery with it.
                 log.info("job %s stopped while running: %s", message.job_id, stopped.reason)
                 if stopped.reason == StopReason.LEASE_LOST:
-                    taken_over(delivery)
+                    _leave_if_taken_over(rt, running, delivery)
                 return
             if stopped.reason == StopReason.ENGINE_FAILED:
                 given = rt.jobs.survive_engine(running, handle.in_engine, rt.settings.max_attempts)
@@ -149,11 +156,17 @@ def _attempt(
                 )
                 if given == ClaimOutcome.EXHAUSTED:
                     metrics.job_finished(message, "failed", ErrorCode.ATTEMPTS_EXHAUSTED, None)
+                if given is None:
+                    _leave_if_taken_over(rt, running, delivery)
                 if given != ClaimOutcome.RUN:
                     return  # ended here, or by another writer: nothing to hand back
                 _hand_back(rt, "this worker's engine failed")
-            released = rt.jobs.release(running)
-            log.warning("job %s handed back at shutdown (released=%s)", message.job_id, released)
+            if not rt.jobs.release(running):
+                # Ended meanwhile (nothing to hand back), or another attempt holds it.
+                log.warning("job %s not handed back at shutdown: written since", message.job_id)
+                _leave_if_taken_over(rt, running, delivery)
+                return
+            log.warning("job %s handed back at shutdown", message.job_id)
             raise Reject("worker shutting down", requeue=True) from None
         except JobFailure as failure:
             log.warning("job %s failed: %s %s", message.job_id, failure.code, failure.message)
@@ -161,7 +174,7 @@ def _attempt(
             if rt.jobs.fail(running, body, failure.metadata):
                 metrics.job_finished(message, "failed", failure.code, failure.metadata)
             else:
-                _unless_ended(rt, running, delivery)
+                _leave_if_taken_over(rt, running, delivery)
             return
         except (RedisError, StoreUnreachable):
             raise
@@ -174,7 +187,7 @@ def _attempt(
             if rt.jobs.fail(running, body, None):
                 metrics.job_finished(message, "failed", ErrorCode.ENGINE_ERROR, None)
             else:
-                _unless_ended(rt, running, delivery)
+                _leave_if_taken_over(rt, running, delivery)
             sentry_sdk.capture_exception(exc)
             return
         # Still tracked (its lease renewed, a drain waiting for it) while S3 takes it.
@@ -183,6 +196,6 @@ def _attempt(
     if rt.jobs.succeed(running, kept, metadata):
         metrics.job_finished(message, "succeeded", None, metadata)
     else:
-        _unless_ended(rt, running, delivery)
+        _leave_if_taken_over(rt, running, delivery)
     if handle.cpu_resumed is not None:
         metrics.JOB_CPU.labels("finish").inc(time.thread_time() - handle.cpu_resumed)

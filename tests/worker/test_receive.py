@@ -12,10 +12,12 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from kombu import Connection, Consumer, Queue
 from kombu.message import Message
+from kombu.transport import redis as kombu_redis
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -57,11 +59,12 @@ def _consumer(
     prefetch: int,
     on_message: Callable[[Message], None] | None = None,
     options: dict[str, int] | None = None,
+    transport: Any = Transport,
 ) -> tuple[Connection, list[Message]]:
-    """A batched consumer of ``queue`` with ``prefetch``, consuming; its connection (to close)
-    and the list its messages are appended to."""
+    """A batched consumer (or one of ``transport``) of ``queue`` with ``prefetch``, consuming;
+    its connection (to close) and the list its messages are appended to."""
     got: list[Message] = []
-    connection = Connection(url, transport=Transport, transport_options=options or {})
+    connection = Connection(url, transport=transport, transport_options=options or {})
     consumer = Consumer(connection.channel(), [Queue(queue, no_declare=True)], accept=["json"])
     consumer.qos(prefetch_count=prefetch)
 
@@ -76,11 +79,15 @@ def _consumer(
 
 
 def _one_read(
-    url: str, queue: str, prefetch: int, options: dict[str, int] | None = None
+    url: str,
+    queue: str,
+    prefetch: int,
+    options: dict[str, int] | None = None,
+    transport: Any = Transport,
 ) -> tuple[Connection, list[Message]]:
-    """A batched consumer reads once; its connection (open, its messages unacknowledged) and
-    what it received."""
-    connection, got = _consumer(url, queue, prefetch, options=options)
+    """A batched consumer (or one of ``transport``) reads once; its connection (open, its
+    messages unacknowledged) and what it received."""
+    connection, got = _consumer(url, queue, prefetch, options=options, transport=transport)
     connection.drain_events(timeout=10)
     return connection, got
 
@@ -370,9 +377,9 @@ def test_one_at_a_time_acks_as_kombu_does(infra: LocalStack, redis: Redis, queue
         connection.close()
 
 
-@pytest.mark.parametrize("batch", [RECEIVE_BATCH, 1], ids=["batched", "kombu"])
+@pytest.mark.parametrize("transport", [Transport, kombu_redis.Transport], ids=["batched", "kombu"])
 def test_an_ack_of_a_delivery_taken_over_leaves_its_record_for_the_new_holder(
-    infra: LocalStack, redis: Redis, queue: str, batch: int
+    infra: LocalStack, redis: Redis, queue: str, transport: Any
 ) -> None:
     """Another worker received the same message again (same delivery tag) and runs its job:
     this worker's ack only forgets the delivery here (closing the channel does not put it
@@ -380,10 +387,9 @@ def test_an_ack_of_a_delivery_taken_over_leaves_its_record_for_the_new_holder(
     (its holder died: restored by tag) a later ack removes it."""
     raws = _push(redis, queue, 2)
     taken, kept = _tag(raws[0]), _tag(raws[1])
-    options = {"receive_batch": batch}
-    connection, got = _one_read(infra.redis_url, queue, prefetch=2, options=options)
+    connection, got = _one_read(infra.redis_url, queue, prefetch=2, transport=transport)
     try:
-        if batch == 1:
+        if transport is not Transport:
             connection.drain_events(timeout=10)  # one message a read
         assert [m.delivery_tag for m in got] == [taken, kept]
         receive.taken_over(taken)
@@ -397,7 +403,7 @@ def test_an_ack_of_a_delivery_taken_over_leaves_its_record_for_the_new_holder(
     # The new holder dies; its delivery is handed back and received here again.
     with Connection(infra.redis_url) as plain:
         plain.default_channel.qos.restore_by_tag(taken)
-    connection, got = _one_read(infra.redis_url, queue, prefetch=1, options=options)
+    connection, got = _one_read(infra.redis_url, queue, prefetch=1, transport=transport)
     try:
         assert [m.delivery_tag for m in got] == [taken]
         got[0].ack()
