@@ -105,6 +105,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         title="lorafleet gateway", version="0.1.0", lifespan=lifespan, strict_content_type=False
     )
     install_error_handlers(app)
+    # Read by the HTTP protocol (``gateway.http_protocol``) as each connection opens.
+    app.state.head_timeout_s = settings.head_timeout_s
     # Added first, so it runs inside the body limit: it only ever buffers a bounded body.
     app.add_middleware(StrictJsonBodies)
     app.add_middleware(

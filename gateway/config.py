@@ -38,6 +38,13 @@ class GatewaySettings(ServiceSettings):
         "past it the request is 408 and its connection closed (a client that stops sending "
         "cannot hold a connection).",
     )
+    head_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest time a request line and headers may take to arrive whole (a "
+        "connection's first from its opening, later ones from their first byte): past it the "
+        "request is 408 and its connection closed, or a connection that sent nothing is closed.",
+    )
     max_admitted_hot: int = Field(
         default=10_000,
         ge=1,

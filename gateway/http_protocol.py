@@ -13,6 +13,16 @@ The close lingers, as nginx's does: the answer is followed by the end of the gat
 up to ``LINGER_S`` before the connection is closed. Closing at once, with the rest of the head
 unread, would reset the connection, and a client could lose the answer with it.
 
+A head must also arrive in time (``LORAFLEET_HEAD_TIMEOUT_S``): uvicorn bounds only the idle
+time between a response and the next request (keep-alive), and that only until a byte of the
+next head arrives, so a client that opens connections and sends nothing, or a head a byte at a
+time, holds each connection (and a file descriptor) for ever. A connection's first head must be
+whole within the bound from the connection's opening, a later head within the bound from its
+first byte; past it the answer is 408 ``header_timeout`` and the connection is closed as above
+(or, when nothing of a head came, closed without an answer, as keep-alive closes). Unlike the
+body's bound (between pieces, ``gateway.body_limit``), this one is on the whole head, as nginx's
+``client_header_timeout``: a head is small, and a client that trickles it is not a client.
+
 The web command names it: ``uvicorn ... --http gateway.http_protocol:BoundedHttpTools``.
 """
 
@@ -25,6 +35,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from contracts.errors import ErrorCode
+from gateway.config import GatewaySettings
 from gateway.errors import ErrorEnvelope, ErrorEnvelopeBody, error_type, status_of
 
 log = logging.getLogger(__name__)
@@ -33,24 +44,22 @@ MAX_HEAD_BYTES = 16 * 1024
 """The request line and headers of one request, in bytes (h11's bound, nginx's default
 ``large_client_header_buffers`` is 4 x 8 KiB)."""
 
+HEAD_TIMEOUT_S = float(GatewaySettings.model_fields["head_timeout_s"].default)
+"""A head's time to arrive where the app names none (the settings' default)."""
+
 LINGER_S = 2.0
 """How long a refused client's further bytes are read and dropped before the close."""
 
-_STATUS = status_of(ErrorCode.HEADERS_TOO_LARGE)
 
-
-def _refusal() -> bytes:
+def _answer(code: ErrorCode, reason: str, message: str) -> bytes:
+    """A whole HTTP/1.1 answer carrying ``code``'s error envelope, closing the connection."""
+    status = status_of(code)
     envelope = ErrorEnvelope(
-        error=ErrorEnvelopeBody(
-            code=ErrorCode.HEADERS_TOO_LARGE,
-            message=f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes; "
-            "the request was refused unread (nothing was stored or enqueued).",
-            type=error_type(_STATUS),
-        )
+        error=ErrorEnvelopeBody(code=code, message=message, type=error_type(status))
     )
     body = envelope.model_dump_json(exclude_none=True).encode()
     head = (
-        f"HTTP/1.1 {_STATUS} Request Header Fields Too Large\r\n"
+        f"HTTP/1.1 {status} {reason}\r\n"
         "content-type: application/json\r\n"
         f"content-length: {len(body)}\r\n"
         "connection: close\r\n\r\n"
@@ -58,22 +67,61 @@ def _refusal() -> bytes:
     return head.encode("ascii") + body
 
 
+_TOO_LARGE = _answer(
+    ErrorCode.HEADERS_TOO_LARGE,
+    "Request Header Fields Too Large",
+    f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes; the request was "
+    "refused unread (nothing was stored or enqueued).",
+)
+
+
+def _timed_out(timeout_s: float) -> bytes:
+    return _answer(
+        ErrorCode.HEADER_TIMEOUT,
+        "Request Timeout",
+        f"The request line and headers did not arrive whole within {timeout_s:g} s; the "
+        "request was refused unread (nothing was stored or enqueued). Send the head at once.",
+    )
+
+
+def _head_timeout_of(app: Any) -> float:
+    """``head_timeout_s`` of the gateway app under uvicorn's wrappers (``create_app`` puts it in
+    the app's state); the settings' default for any other app."""
+    while app is not None:
+        timeout_s = getattr(getattr(app, "state", None), "head_timeout_s", None)
+        if timeout_s is not None:
+            return float(timeout_s)
+        app = getattr(app, "app", None)
+    return HEAD_TIMEOUT_S
+
+
 class BoundedHttpTools(HttpToolsProtocol):
-    """``HttpToolsProtocol``, refusing a request whose head passes ``MAX_HEAD_BYTES``."""
+    """``HttpToolsProtocol``, refusing a request whose head passes ``MAX_HEAD_BYTES`` or does
+    not arrive within the app's ``head_timeout_s``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._in_head = False
         self._head_bytes = 0
         self._lingering: asyncio.TimerHandle | None = None
+        self._head_timeout_s = _head_timeout_of(self.app)
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        # The first head is due from the opening: a connection that sends nothing is closed.
+        self._head_timer = self.loop.call_later(self._head_timeout_s, self._head_late)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head = True
         self._head_bytes = 0
+        if self._head_timer is None:  # a later request: due from its first byte
+            self._head_timer = self.loop.call_later(self._head_timeout_s, self._head_late)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._stop_head_timer()
         super().on_headers_complete()
 
     def data_received(self, data: bytes) -> None:
@@ -87,13 +135,35 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._head_bytes += len(data)
         if self._head_bytes > MAX_HEAD_BYTES:
             log.warning("request head over %d bytes refused", MAX_HEAD_BYTES)
-            self._in_head = False
-            self.transport.write(_refusal())
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-            self._lingering = asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
+            self._refuse(_TOO_LARGE)
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self._lingering is not None or self.transport.is_closing():
+            return
+        if not self._in_head:  # nothing of a head came: nobody to answer
+            self.transport.close()
+            return
+        log.warning("request head not whole within %g s refused", self._head_timeout_s)
+        self._refuse(_timed_out(self._head_timeout_s))
+
+    def _refuse(self, answer: bytes) -> None:
+        """Answer, end the gateway's side, and drop what the client still sends until it
+        closes or ``LINGER_S`` passed."""
+        self._in_head = False
+        self._stop_head_timer()
+        self.transport.write(answer)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._lingering = asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._lingering is not None:
             self._lingering.cancel()
+        self._stop_head_timer()
         super().connection_lost(exc)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -553,15 +554,21 @@ def _exchange(base_url: str, head: bytes, body: bytes = b"") -> tuple[bytes, boo
                 conn.sendall(data[start : start + 65536])
         except (BrokenPipeError, ConnectionResetError):
             pass  # refused before all of it was sent: the answer is read below
-        answer = b""
-        try:
-            while chunk := conn.recv(65536):
-                answer += chunk
-        except TimeoutError:
-            return answer, False
-        except ConnectionResetError:
-            pass
-        return answer, True
+        return _read_until_closed(conn)
+
+
+def _read_until_closed(conn: socket.socket) -> tuple[bytes, bool]:
+    """What the server sends until it closes (``True``) or 10 s pass (``False``)."""
+    answer = b""
+    conn.settimeout(10)
+    try:
+        while chunk := conn.recv(65536):
+            answer += chunk
+    except TimeoutError:
+        return answer, False
+    except ConnectionResetError:
+        pass
+    return answer, True
 
 
 def test_a_request_head_past_16_kib_is_431_and_closed_before_it_is_read_whole(
@@ -595,3 +602,42 @@ def test_a_request_head_past_16_kib_is_431_and_closed_before_it_is_read_whole(
     answer, _ = _exchange(url, head, body)
     assert not answer.startswith(b"HTTP/1.1 431"), answer[:300]
     assert answer.startswith(b"HTTP/1.1 4"), answer[:300]
+
+
+def test_a_head_that_does_not_arrive_in_time_is_408_and_an_idle_connection_is_closed(
+    private_gateway: Callable[..., Any],
+) -> None:
+    """uvicorn bounds nothing before a connection's first request, nor a head once a byte of
+    it came: a client could hold connections for ever by sending nothing, or a head a byte at
+    a time. With ``head_timeout_s`` 1: a connection that sends nothing is closed unanswered, a
+    head left half-sent or trickled past the bound is 408 ``header_timeout`` and closed, and a
+    connection whose heads come whole is served, idle between requests as long as keep-alive
+    allows (the bound is on heads, not on connections)."""
+    with private_gateway(head_timeout_s=1.0) as url:
+        address = (httpx.URL(url).host, httpx.URL(url).port)
+        with socket.create_connection(address, timeout=10) as conn:
+            assert _read_until_closed(conn) == (b"", True)
+        with socket.create_connection(address, timeout=10) as conn:
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+            half_sent = _read_until_closed(conn)
+        with socket.create_connection(address, timeout=10) as conn:
+            trickled = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 20
+            try:
+                for byte in trickled:  # a byte every 0.1 s: 4 s for the head, never whole
+                    conn.sendall(bytes([byte]))
+                    time.sleep(0.1)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # cut off while sending: the answer is read below
+            trickled_in = _read_until_closed(conn)
+        for answer, closed in (half_sent, trickled_in):
+            status, _, rest = answer.partition(b"\r\n")
+            assert status == b"HTTP/1.1 408 Request Timeout", answer[:300]
+            error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+            assert error["code"] == "header_timeout" and "1 s" in error["message"], error
+            assert closed
+        with socket.create_connection(address, timeout=10) as conn:
+            for _ in range(2):  # the second head comes after 1.5 s of keep-alive (5 s)
+                conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                answer = conn.recv(65536)
+                assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+                time.sleep(1.5)
