@@ -41,9 +41,10 @@ class GatewaySettings(ServiceSettings):
     head_timeout_s: float = Field(
         default=30.0,
         gt=0,
-        description="Longest time a request line and headers may take to arrive whole (a "
-        "connection's first from its opening, later ones from their first byte): past it the "
-        "request is 408 and its connection closed, or a connection that sent nothing is closed.",
+        description="Longest time a request line and headers may take to arrive whole, from "
+        "the first byte after the connection opened or the last response ended: past it the "
+        "request is 408 and its connection closed. A new connection that sends nothing is "
+        "closed after this or the keep-alive time, whichever is longer.",
     )
     max_admitted_hot: int = Field(
         default=10_000,

@@ -14,14 +14,19 @@ up to ``LINGER_S`` before the connection is closed. Closing at once, with the re
 unread, would reset the connection, and a client could lose the answer with it.
 
 A head must also arrive in time (``LORAFLEET_HEAD_TIMEOUT_S``): uvicorn bounds only the idle
-time between a response and the next request (keep-alive), and that only until a byte of the
-next head arrives, so a client that opens connections and sends nothing, or a head a byte at a
-time, holds each connection (and a file descriptor) for ever. A connection's first head must be
-whole within the bound from the connection's opening, a later head within the bound from its
-first byte; past it the answer is 408 ``header_timeout`` and the connection is closed as above
-(or, when nothing of a head came, closed without an answer, as keep-alive closes). Unlike the
-body's bound (between pieces, ``gateway.body_limit``), this one is on the whole head, as nginx's
-``client_header_timeout``: a head is small, and a client that trickles it is not a client.
+time between a response and the next request (keep-alive), and that only until a byte arrives
+(a stray CRLF is enough), so a client that opens connections and sends nothing, or a head a byte
+at a time, holds each connection (and a file descriptor) for ever. Here, between requests, the
+first byte starts the head's clock: the head must be whole within the bound, or the answer is
+408 ``header_timeout`` and the connection is closed as above (closed without an answer when no
+head began: only line ends came). A new connection that sends nothing is closed after the
+keep-alive time or the head's bound, whichever is longer, as an idle kept-alive one would be.
+Unlike the body's bound (between pieces, ``gateway.body_limit``), this one is on the whole head,
+as nginx's ``client_header_timeout``: a head is small, and a client that trickles it is not a
+client. Bytes that arrive while a response is still being sent (a pipelining client) start no
+clock: the keep-alive timer, armed when that response ends, bounds them as it bounds silence.
+Nothing is ever written into a response in flight: a head refused then (431) ends the
+connection once the responses before it are sent.
 
 The web command names it: ``uvicorn ... --http gateway.http_protocol:BoundedHttpTools``.
 """
@@ -75,7 +80,7 @@ _TOO_LARGE = _answer(
 )
 
 
-def _timed_out(timeout_s: float) -> bytes:
+def _late(timeout_s: float) -> bytes:
     return _answer(
         ErrorCode.HEADER_TIMEOUT,
         "Request Timeout",
@@ -103,32 +108,40 @@ class BoundedHttpTools(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._in_head = False
         self._head_bytes = 0
+        self._refused = False  # from then on, what the client sends is dropped unread
         self._lingering: asyncio.TimerHandle | None = None
         self._head_timeout_s = _head_timeout_of(self.app)
-        self._head_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timing_head = False  # the timer bounds a head begun (else: a silent connection)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        # The first head is due from the opening: a connection that sends nothing is closed.
-        self._head_timer = self.loop.call_later(self._head_timeout_s, self._head_late)
+        idle_s = max(self._head_timeout_s, float(self.timeout_keep_alive))
+        self._timer = self.loop.call_later(idle_s, self._timed_out)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head = True
         self._head_bytes = 0
-        if self._head_timer is None:  # a later request: due from its first byte
-            self._head_timer = self.loop.call_later(self._head_timeout_s, self._head_late)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        self._stop_head_timer()
+        self._stop_timer()
         super().on_headers_complete()
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering is not None:
-            return  # refused: read and dropped until the client closes, or LINGER_S passed
+        if self._refused:
+            return  # dropped until the client closes, LINGER_S passed, or the responses end
         super().data_received(data)
-        if not self._in_head or self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        if not self._timing_head and self._between_requests():
+            # The first bytes since the last response ended (or since the opening), and no
+            # head is whole yet: it is due within the bound from now.
+            self._stop_timer()
+            self._timing_head = True
+            self._timer = self.loop.call_later(self._head_timeout_s, self._timed_out)
+        if not self._in_head:
             return
         # The head is not complete after this read: all of it was head (a read that began a
         # request after the end of the last one counts whole, at most one read too many).
@@ -137,33 +150,47 @@ class BoundedHttpTools(HttpToolsProtocol):
             log.warning("request head over %d bytes refused", MAX_HEAD_BYTES)
             self._refuse(_TOO_LARGE)
 
-    def _head_late(self) -> None:
-        self._head_timer = None
-        if self._lingering is not None or self.transport.is_closing():
+    def _between_requests(self) -> bool:
+        """No response is being sent or waits its turn: what arrives now is a next head."""
+        return not self.pipeline and (self.cycle is None or self.cycle.response_complete)
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        timing_head, self._timing_head = self._timing_head, False
+        if self._refused or self.transport.is_closing():
             return
-        if not self._in_head:  # nothing of a head came: nobody to answer
+        if not self._between_requests():  # a head completed meanwhile: nothing to bound
+            return
+        if not (timing_head and self._in_head):  # silent, or only line ends: nobody to answer
             self.transport.close()
             return
         log.warning("request head not whole within %g s refused", self._head_timeout_s)
-        self._refuse(_timed_out(self._head_timeout_s))
+        self._refuse(_late(self._head_timeout_s))
 
     def _refuse(self, answer: bytes) -> None:
         """Answer, end the gateway's side, and drop what the client still sends until it
-        closes or ``LINGER_S`` passed."""
+        closes or ``LINGER_S`` passed. While responses are still being sent nothing is
+        written: reading stops, and the connection closes after the last of them."""
+        self._refused = True
         self._in_head = False
-        self._stop_head_timer()
+        self._stop_timer()
+        if not self._between_requests():
+            self.cycle.keep_alive = False
+            self.flow.pause_reading()
+            return
         self.transport.write(answer)
         if self.transport.can_write_eof():
             self.transport.write_eof()
-        self._lingering = asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
+        self._lingering = self.loop.call_later(LINGER_S, self.transport.close)
 
-    def _stop_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timing_head = False
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._lingering is not None:
             self._lingering.cancel()
-        self._stop_head_timer()
+        self._stop_timer()
         super().connection_lost(exc)

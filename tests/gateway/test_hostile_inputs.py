@@ -604,40 +604,75 @@ def test_a_request_head_past_16_kib_is_431_and_closed_before_it_is_read_whole(
     assert answer.startswith(b"HTTP/1.1 4"), answer[:300]
 
 
+def _response(conn: socket.socket) -> bytes:
+    """One whole response (head and ``Content-Length`` body) read from ``conn``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        assert chunk, data
+        body += chunk
+    assert len(body) == length, "more than one response"
+    return head + b"\r\n\r\n" + body
+
+
+def _assert_late(answer: bytes, closed: bool) -> None:
+    status, _, rest = answer.partition(b"\r\n")
+    assert status == b"HTTP/1.1 408 Request Timeout", answer[:300]
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "header_timeout" and "2 s" in error["message"], error
+    assert closed
+
+
 def test_a_head_that_does_not_arrive_in_time_is_408_and_an_idle_connection_is_closed(
     private_gateway: Callable[..., Any],
 ) -> None:
-    """uvicorn bounds nothing before a connection's first request, nor a head once a byte of
-    it came: a client could hold connections for ever by sending nothing, or a head a byte at
-    a time. With ``head_timeout_s`` 1: a connection that sends nothing is closed unanswered, a
-    head left half-sent or trickled past the bound is 408 ``header_timeout`` and closed, and a
-    connection whose heads come whole is served, idle between requests as long as keep-alive
-    allows (the bound is on heads, not on connections)."""
-    with private_gateway(head_timeout_s=1.0) as url:
+    """uvicorn bounds nothing before a connection's first request, nor anything once a byte
+    came after a response: a client could hold connections for ever by sending nothing, a
+    line end, or a head a byte at a time. With ``head_timeout_s`` 2 (keep-alive 5 s): a
+    connection that sends nothing is closed unanswered; a head left half-sent or trickled
+    past the bound, first on its connection or after a response, is 408 ``header_timeout``
+    and closed; a line end after a response does not keep the connection; and heads that
+    come whole in time are served, idle between requests as keep-alive allows."""
+    get = b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+    with private_gateway(head_timeout_s=2.0) as url:
         address = (httpx.URL(url).host, httpx.URL(url).port)
         with socket.create_connection(address, timeout=10) as conn:
             assert _read_until_closed(conn) == (b"", True)
         with socket.create_connection(address, timeout=10) as conn:
-            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and nothing more
-            half_sent = _read_until_closed(conn)
+            conn.sendall(get)  # and nothing more
+            _assert_late(*_read_until_closed(conn))
         with socket.create_connection(address, timeout=10) as conn:
-            trickled = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 20
             try:
-                for byte in trickled:  # a byte every 0.1 s: 4 s for the head, never whole
+                for byte in get + b"X-Slow: " + b"a" * 20:  # a byte every 0.1 s: 6 s in all
                     conn.sendall(bytes([byte]))
                     time.sleep(0.1)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # cut off while sending: the answer is read below
-            trickled_in = _read_until_closed(conn)
-        for answer, closed in (half_sent, trickled_in):
-            status, _, rest = answer.partition(b"\r\n")
-            assert status == b"HTTP/1.1 408 Request Timeout", answer[:300]
-            error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
-            assert error["code"] == "header_timeout" and "1 s" in error["message"], error
-            assert closed
+            _assert_late(*_read_until_closed(conn))
         with socket.create_connection(address, timeout=10) as conn:
-            for _ in range(2):  # the second head comes after 1.5 s of keep-alive (5 s)
-                conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-                answer = conn.recv(65536)
-                assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+            conn.sendall(get + b"\r\n")
+            assert _response(conn).startswith(b"HTTP/1.1 200 ")
+            conn.sendall(get)  # the next head, half-sent
+            _assert_late(*_read_until_closed(conn))
+        with socket.create_connection(address, timeout=10) as conn:
+            conn.sendall(get + b"\r\n")
+            assert _response(conn).startswith(b"HTTP/1.1 200 ")
+            conn.sendall(b"\r\n")  # cancels keep-alive's timer; begins no head
+            assert _read_until_closed(conn) == (b"", True)
+        with socket.create_connection(address, timeout=10) as conn:
+            for _ in range(2):  # each head in two parts 0.5 s apart, then 1.5 s idle
+                conn.sendall(get)
+                time.sleep(0.5)
+                conn.sendall(b"\r\n")
+                assert _response(conn).startswith(b"HTTP/1.1 200 ")
                 time.sleep(1.5)
