@@ -43,8 +43,9 @@ class GatewaySettings(ServiceSettings):
         gt=0,
         description="Longest time a request line and headers may take to arrive whole, from "
         "the first byte after the connection opened or the last response ended: past it the "
-        "request is 408 and its connection closed. A new connection that sends nothing is "
-        "closed after this or the keep-alive time, whichever is longer.",
+        "request is 408 and its connection closed (closed unanswered if no head began). A new "
+        "connection that sends nothing is closed after this or the keep-alive time, whichever "
+        "is longer.",
     )
     max_admitted_hot: int = Field(
         default=10_000,

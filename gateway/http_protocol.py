@@ -25,8 +25,10 @@ Unlike the body's bound (between pieces, ``gateway.body_limit``), this one is on
 as nginx's ``client_header_timeout``: a head is small, and a client that trickles it is not a
 client. Bytes that arrive while a response is still being sent (a pipelining client) start no
 clock: the keep-alive timer, armed when that response ends, bounds them as it bounds silence.
-Nothing is ever written into a response in flight: a head refused then (431) ends the
-connection once the responses before it are sent.
+(Bytes between requests that are not a head, the rest of a body the app answered without
+reading, start the clock too, and end in a close without an answer.) This protocol writes
+nothing into a response in flight: a head refused then (431) is answered once the responses
+before it are sent. (uvicorn's own 400 for bytes it cannot parse is not held back so.)
 
 The web command names it: ``uvicorn ... --http gateway.http_protocol:BoundedHttpTools``.
 """
@@ -109,6 +111,7 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._in_head = False
         self._head_bytes = 0
         self._refused = False  # from then on, what the client sends is dropped unread
+        self._answer_due: bytes | None = None  # a refusal held until the responses are sent
         self._lingering: asyncio.TimerHandle | None = None
         self._head_timeout_s = _head_timeout_of(self.app)
         self._timer: asyncio.TimerHandle | None = None
@@ -133,8 +136,8 @@ class BoundedHttpTools(HttpToolsProtocol):
         if self._refused:
             return  # dropped until the client closes, LINGER_S passed, or the responses end
         super().data_received(data)
-        if self.transport.is_closing():
-            return
+        if self.transport.is_closing() or self.transport.get_protocol() is not self:
+            return  # closed, or upgraded (handed to another protocol)
         if not self._timing_head and self._between_requests():
             # The first bytes since the last response ended (or since the opening), and no
             # head is whole yet: it is due within the bound from now.
@@ -168,16 +171,30 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._refuse(_late(self._head_timeout_s))
 
     def _refuse(self, answer: bytes) -> None:
-        """Answer, end the gateway's side, and drop what the client still sends until it
-        closes or ``LINGER_S`` passed. While responses are still being sent nothing is
-        written: reading stops, and the connection closes after the last of them."""
+        """Refuse the head being read: what the client sends from now on is dropped, and
+        ``answer`` goes out once no response is being sent (at once, or after those in flight:
+        never into one), followed by the end of the gateway's side and the close."""
         self._refused = True
         self._in_head = False
         self._stop_timer()
-        if not self._between_requests():
-            self.cycle.keep_alive = False
-            self.flow.pause_reading()
-            return
+        if self._between_requests():
+            self._answer(answer)
+        else:
+            self._answer_due = answer
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if (
+            self._answer_due is not None
+            and self._between_requests()
+            and not self.transport.is_closing()
+        ):
+            answer, self._answer_due = self._answer_due, None
+            self._answer(answer)
+
+    def _answer(self, answer: bytes) -> None:
+        """Write ``answer``, end the gateway's side, and read and drop what the client still
+        sends until it closes or ``LINGER_S`` passed."""
         self.transport.write(answer)
         if self.transport.can_write_eof():
             self.transport.write_eof()

@@ -6,6 +6,7 @@ Against an in-process gateway on the private database (no worker needed)."""
 from __future__ import annotations
 
 import json
+import select
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -647,17 +648,27 @@ def test_a_head_that_does_not_arrive_in_time_is_408_and_an_idle_connection_is_cl
     with private_gateway(head_timeout_s=2.0) as url:
         address = (httpx.URL(url).host, httpx.URL(url).port)
         with socket.create_connection(address, timeout=10) as conn:
+            # Silent: kept past the head's bound (keep-alive's 5 s is longer), then closed.
+            time.sleep(3)
+            assert select.select([conn], [], [], 0)[0] == []
             assert _read_until_closed(conn) == (b"", True)
         with socket.create_connection(address, timeout=10) as conn:
             conn.sendall(get)  # and nothing more
             _assert_late(*_read_until_closed(conn))
         with socket.create_connection(address, timeout=10) as conn:
+            # A byte every 0.1 s (6 s in all): each within any bound between bytes, so only a
+            # bound on the whole head answers before the trickle ends.
+            answered_while_sending = False
             try:
-                for byte in get + b"X-Slow: " + b"a" * 20:  # a byte every 0.1 s: 6 s in all
+                for byte in get + b"X-Slow: " + b"a" * 20:
                     conn.sendall(bytes([byte]))
                     time.sleep(0.1)
+                    if select.select([conn], [], [], 0)[0]:
+                        answered_while_sending = True
+                        break
             except (BrokenPipeError, ConnectionResetError):
-                pass  # cut off while sending: the answer is read below
+                answered_while_sending = True  # cut off: the answer is read below
+            assert answered_while_sending
             _assert_late(*_read_until_closed(conn))
         with socket.create_connection(address, timeout=10) as conn:
             conn.sendall(get + b"\r\n")
