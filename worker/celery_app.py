@@ -27,7 +27,7 @@ import functools
 import logging
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Celery
 from celery.signals import (
@@ -151,20 +151,30 @@ def _start_runtime(**_: Any) -> None:
     # GIL busy; each Redis round trip it makes costs a GIL hand-off, by default up to 5 ms.
     # With 0.5 ms it receives messages ~10x faster (benchmarks/throughput.py).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    if settings.sentry_dsn:
-        import sentry_sdk
+    # Celery swallows exceptions from signal handlers (and its logging is not set up yet, so
+    # they go unseen): a worker without its runtime would run on "ready", taking nothing, for
+    # ever. Every failure here leaves for real, its cause logged.
+    try:
+        if settings.sentry_dsn:
+            import sentry_sdk
 
-        sentry_sdk.init(dsn=settings.sentry_dsn, **SENTRY_OPTIONS)
-    candidate = WorkerRuntime(settings)
+            sentry_sdk.init(dsn=settings.sentry_dsn, **SENTRY_OPTIONS)
+        candidate = WorkerRuntime(settings)
+    except Exception:
+        _leave("worker runtime could not be built")
     try:
         candidate.start()
     except Exception:
-        # Celery logs and swallows exceptions from signal handlers; a worker without its
-        # engine must not consume jobs, so leave for real.
-        log.exception("worker runtime failed to start")
         candidate.close()
-        raise SystemExit(1) from None
+        _leave("worker runtime failed to start")
     _runtime = candidate
+
+
+def _leave(why: str) -> NoReturn:
+    """Exit 1 from a start-up signal handler, logging ``why`` with the exception being handled
+    (before Celery sets up logging, Python's last-resort handler writes it to stderr)."""
+    log.exception(why)
+    raise SystemExit(1) from None
 
 
 @celeryd_after_setup.connect

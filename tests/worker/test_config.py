@@ -1,8 +1,14 @@
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
+from lorafleet.stack import LocalStack, procfile_commands
 from worker.config import WorkerSettings
 from worker.webhooks.config import WebhookSettings
 
@@ -78,3 +84,34 @@ def test_a_webhook_retry_window_the_event_would_not_outlive_is_refused(
     monkeypatch.delenv("LORAFLEET_WEBHOOK_RETRY_WINDOW_S")
     defaults = WebhookSettings()
     assert defaults.webhook_retry_window_s < defaults.job_ttl_s
+
+
+def test_a_worker_whose_runtime_cannot_be_built_exits_and_says_why(
+    infra: LocalStack, tmp_path: Path
+) -> None:
+    """A setting that validates but names something unusable (here a model directory that does
+    not exist) fails while the worker builds its runtime, inside Celery's ``worker_init``
+    signal, which swallows exceptions: the worker must not then run on, "ready" and taking
+    nothing (its queues are selected by the runtime), with no word of why. It exits 1, and its
+    output names the cause."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LORAFLEET_")}
+    env = {
+        **clean,
+        "LORAFLEET_REDIS_URL": infra.redis_url,
+        "LORAFLEET_MODEL": str(tmp_path / "no-such-model"),
+        "LORAFLEET_CACHE_DIR": str(tmp_path / "cache"),
+        "LORAFLEET_METRICS_PORT": "0",
+        "LORAFLEET_WORKER_NAME": "unbuildable@%h",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    done = subprocess.run(
+        ["sh", "-c", "exec " + procfile_commands()["worker"]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "worker runtime could not be built" in done.stderr, done.stderr[-3000:]
+    assert "no-such-model" in done.stderr, done.stderr[-3000:]
+    assert " ready." not in done.stderr
