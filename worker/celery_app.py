@@ -165,15 +165,20 @@ def _start_runtime(**_: Any) -> None:
     try:
         candidate.start()
     except Exception:
-        candidate.close()
-        _leave("worker runtime failed to start")
+        _leave("worker runtime failed to start", candidate)
     _runtime = candidate
 
 
-def _leave(why: str) -> NoReturn:
-    """Exit 1 from a start-up signal handler, logging ``why`` with the exception being handled
-    (before Celery sets up logging, Python's last-resort handler writes it to stderr)."""
+def _leave(why: str, started: WorkerRuntime | None = None) -> NoReturn:
+    """Exit 1 from a signal handler, logging ``why`` with the exception being handled (before
+    Celery sets up logging, Python's last-resort handler writes it to stderr), after closing
+    what of the runtime ``started`` (a failure to close is logged, and changes nothing)."""
     log.exception(why)
+    if started is not None:
+        try:
+            started.close()
+        except Exception:
+            log.exception("closing the worker runtime failed too")
     raise SystemExit(1) from None
 
 
@@ -195,7 +200,13 @@ def _consume_pool_queues(instance: Any, **_: Any) -> None:
 def _announce(sender: Any, **_: Any) -> None:
     # Only now does the consumer (and its remote-control mailbox) run: announce readiness here,
     # not when the engine is up, so "ready" means "taking jobs". The sender is the consumer.
-    runtime().announce(sender)
+    # A worker that could not announce itself would take jobs without its heartbeat, lease
+    # keeper or reaper (Celery swallows the exception): it leaves, and the runtime is closed
+    # on the way out (``worker_shutdown``).
+    try:
+        runtime().announce(sender)
+    except Exception:
+        _leave("worker could not announce itself")
 
 
 @task_received.connect

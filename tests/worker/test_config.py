@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from lorafleet.stack import LocalStack, procfile_commands
+from worker import metrics
 from worker.config import WorkerSettings
 from worker.webhooks.config import WebhookSettings
 
@@ -115,3 +118,49 @@ def test_a_worker_whose_runtime_cannot_be_built_exits_and_says_why(
     assert "worker runtime could not be built" in done.stderr, done.stderr[-3000:]
     assert "no-such-model" in done.stderr, done.stderr[-3000:]
     assert " ready." not in done.stderr
+
+
+def _busy_ports(count: int) -> tuple[int, list[socket.socket]]:
+    """``count`` consecutive ports, each held by a listening socket: (the first, the sockets)."""
+    for _ in range(50):
+        first = random.randint(20_000, 60_000 - count)
+        held: list[socket.socket] = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("", port))
+                sock.listen()
+            return first, held
+        except OSError:
+            for sock in held:
+                sock.close()
+    raise AssertionError(f"no {count} free consecutive ports")
+
+
+def test_a_worker_that_cannot_announce_itself_exits(infra: LocalStack, tmp_path: Path) -> None:
+    """Announcing happens once Celery's consumer runs (``worker_ready``), inside a signal that
+    swallows exceptions: a worker whose announcement fails (here every metrics port it may take
+    is busy) would take jobs with no heartbeat, lease keeper or reaper. It leaves instead, exit
+    code 1, its engine shut down with it, and says why."""
+    first, held = _busy_ports(metrics.PORT_ATTEMPTS)
+    try:
+        env = {
+            **infra.service_env(),
+            "LORAFLEET_METRICS_PORT": str(first),
+            "LORAFLEET_CACHE_DIR": str(tmp_path / "cache"),
+            "LORAFLEET_WORKER_NAME": "unannounced@%h",
+        }
+        done = subprocess.run(
+            ["sh", "-c", "exec " + procfile_commands()["worker"]],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    finally:
+        for sock in held:
+            sock.close()
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "worker could not announce itself" in done.stderr, done.stderr[-3000:]
+    assert "no free metrics port" in done.stderr, done.stderr[-3000:]
