@@ -1,10 +1,8 @@
 from __future__ import annotations
 
-import os
 import random
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -89,6 +87,20 @@ def test_a_webhook_retry_window_the_event_would_not_outlive_is_refused(
     assert defaults.webhook_retry_window_s < defaults.job_ttl_s
 
 
+def _run_worker(
+    infra: LocalStack, env: dict[str, str], timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    """The Procfile's worker command on ``infra`` with ``env`` over the stack's service
+    environment, run to its exit (at most ``timeout_s``)."""
+    return subprocess.run(
+        ["sh", "-c", "exec " + procfile_commands()["worker"]],
+        env={**infra.service_env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
 def test_a_worker_whose_runtime_cannot_be_built_exits_and_says_why(
     infra: LocalStack, tmp_path: Path
 ) -> None:
@@ -97,22 +109,15 @@ def test_a_worker_whose_runtime_cannot_be_built_exits_and_says_why(
     signal, which swallows exceptions: the worker must not then run on, "ready" and taking
     nothing (its queues are selected by the runtime), with no word of why. It exits 1, and its
     output names the cause."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("LORAFLEET_")}
-    env = {
-        **clean,
-        "LORAFLEET_REDIS_URL": infra.redis_url,
-        "LORAFLEET_MODEL": str(tmp_path / "no-such-model"),
-        "LORAFLEET_CACHE_DIR": str(tmp_path / "cache"),
-        "LORAFLEET_METRICS_PORT": "0",
-        "LORAFLEET_WORKER_NAME": "unbuildable@%h",
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    done = subprocess.run(
-        ["sh", "-c", "exec " + procfile_commands()["worker"]],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = _run_worker(
+        infra,
+        {
+            "LORAFLEET_MODEL": str(tmp_path / "no-such-model"),
+            "LORAFLEET_CACHE_DIR": str(tmp_path / "cache"),
+            "LORAFLEET_METRICS_PORT": "0",
+            "LORAFLEET_WORKER_NAME": "unbuildable@%h",
+        },
+        timeout_s=120,
     )
     assert done.returncode == 1, done.stderr[-3000:]
     assert "worker runtime could not be built" in done.stderr, done.stderr[-3000:]
@@ -145,18 +150,14 @@ def test_a_worker_that_cannot_announce_itself_exits(infra: LocalStack, tmp_path:
     code 1, its engine shut down with it, and says why."""
     first, held = _busy_ports(metrics.PORT_ATTEMPTS)
     try:
-        env = {
-            **infra.service_env(),
-            "LORAFLEET_METRICS_PORT": str(first),
-            "LORAFLEET_CACHE_DIR": str(tmp_path / "cache"),
-            "LORAFLEET_WORKER_NAME": "unannounced@%h",
-        }
-        done = subprocess.run(
-            ["sh", "-c", "exec " + procfile_commands()["worker"]],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
+        done = _run_worker(
+            infra,
+            {
+                "LORAFLEET_METRICS_PORT": str(first),
+                "LORAFLEET_CACHE_DIR": str(tmp_path / "cache"),
+                "LORAFLEET_WORKER_NAME": "unannounced@%h",
+            },
+            timeout_s=600,
         )
     finally:
         for sock in held:
