@@ -110,14 +110,14 @@ def _run(rt: WorkerRuntime, payload: dict[str, Any], delivery: str) -> None:
     _attempt(rt, message, claim.job, began, delivery)
 
 
-def _leave_if_taken_over(rt: WorkerRuntime, running: JobPublic, delivery: str) -> bool:
+def _leave_if_taken_over(rt: WorkerRuntime, running: JobPublic, delivery: str) -> None:
     """This attempt ends without its outcome (refused, or its lease lost): if the job has not
     ended, another attempt took it over after this one's lease lapsed, and the broker's record
     of the delivery is that attempt's now: this worker's ack must leave it
-    (``worker.receive.taken_over``). Whether it was taken over."""
+    (``worker.receive.taken_over``)."""
     current = rt.jobs.get(running.id)
     if current is None or current.status.terminal:
-        return False
+        return
     log.warning(
         "job %s: attempt %d ends without an outcome; attempt %d (worker %s) holds the job",
         running.id,
@@ -126,7 +126,6 @@ def _leave_if_taken_over(rt: WorkerRuntime, running: JobPublic, delivery: str) -
         current.worker,
     )
     taken_over(delivery)
-    return True
 
 
 def _attempt(
