@@ -30,15 +30,20 @@ class _Follower:
 
 
 def _stream(
-    job: JobPublic, items: list[str | JobPublic], include_usage: bool = False
+    job: JobPublic,
+    items: list[str | JobPublic],
+    include_usage: bool = False,
+    kind: Any = openai._TEXT,
+    model: str = "a",
 ) -> AsyncGenerator[bytes, None]:
     """The writes of ``job``'s streamed completion whose follower yields ``items``."""
     body = CompletionCreate.model_validate(
         {"model": "a", "prompt": "hi", "stream": True}
         | ({"stream_options": {"include_usage": True}} if include_usage else {})
     )
+    body.model = model  # any name the head may carry, unchecked
     call: Any = SimpleNamespace(streams=_Follower(items))
-    events = openai._events(call, job, body, openai._TEXT, 0, 60.0, True)
+    events = openai._events(call, job, body, kind, 0, 60.0, True)
     return cast(AsyncGenerator[bytes, None], events)  # an async generator, typed as an iterator
 
 
@@ -120,3 +125,36 @@ def test_a_client_that_leaves_once_it_has_done_does_not_cancel_its_job(
 
     asyncio.run(leave_at_done())
     assert abandoned == []
+
+
+_AWKWARD = [
+    "plain",
+    'a "quote" and a \\ backslash',
+    "line\nbreak\ttab",
+    "caf\u00e9 \u2603 \U0001f600",
+    "nul \x00 and </script>",
+    openai._MARK,
+    "",
+]
+
+
+@pytest.mark.parametrize("kind", [openai._TEXT, openai._CHAT], ids=["completion", "chat"])
+@pytest.mark.parametrize("model", ["a", openai._MARK], ids=["plain", "holds-the-mark"])
+def test_a_delta_chunk_is_the_chunk_built_whole_byte_for_byte(kind: Any, model: str) -> None:
+    """Each delta is written into a chunk encoded once per stream (only its text is encoded
+    per delta); what leaves must be exactly the chunk encoded whole, whatever the text holds,
+    and whatever the model's name is (the mark itself: each chunk is then built whole)."""
+    job = new_job(status=JobStatus.RUNNING)
+
+    async def collect() -> list[bytes]:
+        return [w async for w in _stream(job, [*_AWKWARD, _finished(job)], kind=kind, model=model)]
+
+    writes = asyncio.run(collect())
+    opening = 1 if kind.opening is not None else 0
+    deltas = writes[opening : opening + len(_AWKWARD)]
+    head = {"id": f"{kind.id_prefix}{job.id}", "object": kind.chunk_object, "created": 0}
+    for text, write in zip(_AWKWARD, deltas, strict=True):
+        choice = {"index": 0, "finish_reason": None} | kind.delta(text)
+        whole = head | {"model": model, "choices": [choice]}
+        assert write == b"data: " + json.dumps(whole, separators=(",", ":")).encode() + b"\n\n"
+        assert _data(_events_of(write)[0]) == whole
