@@ -373,7 +373,8 @@ class JobRunner:
             with self._adapters.entering(lora):
                 async for output in outputs:
                     final = output
-                    prompt_token_ids = list(output.prompt_token_ids or prompt_token_ids)
+                    if not prompt_token_ids and output.prompt_token_ids:  # the same in each
+                        prompt_token_ids = list(output.prompt_token_ids)
                     completion = output.outputs[0]
                     token_ids.extend(completion.token_ids)
                     text.append(completion.text)

@@ -59,7 +59,14 @@ class DeltaPublisher:
         self._stream_ttl_s = stream_ttl_s
         self._on_outage = on_outage
         self._append = redis.register_script(APPEND_DELTAS)
-        self._cond = threading.Condition()
+        # One lock, two conditions: the writer waits for text (woken only when text arrives
+        # with none pending: at most once per write, not once per delta), flushes wait for
+        # a write to end. A delta used to wake every waiting thread: with hundreds of jobs
+        # waiting at their flush, each of a step's hundreds of deltas woke them all, and
+        # each wakeup takes the GIL from the engine loop.
+        self._lock = threading.Lock()
+        self._text = threading.Condition(self._lock)
+        self._wrote = threading.Condition(self._lock)
         self._pending: dict[_Attempt, list[str]] = {}
         self._writing: set[_Attempt] = set()
         self._fenced: set[_Attempt] = set()
@@ -74,21 +81,21 @@ class DeltaPublisher:
         self._writer.start()
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._writer.stopping.set()
-            self._cond.notify_all()
+            self._text.notify_all()
         self._writer.close()
 
     def open(self, job_id: str, attempt: int) -> None:
         """``attempt`` will publish its text from the start (before it generates)."""
-        with self._cond:
+        with self._lock:
             self._written[(job_id, attempt)] = 0
             self._closing.discard((job_id, attempt))
 
     def finish(self, job_id: str, attempt: int) -> None:
         """``attempt`` publishes no more; what it published is still written."""
         key = (job_id, attempt)
-        with self._cond:
+        with self._lock:
             if key in self._pending or key in self._writing:
                 self._closing.add(key)
             else:
@@ -99,11 +106,12 @@ class DeltaPublisher:
         Text of an attempt that is not open (discarded: the job was stopped, and its task on
         the engine loop had one more delta on its way) is dropped."""
         key = (job_id, attempt)
-        with self._cond:
+        with self._lock:
             if key not in self._written or key in self._closing:
                 return
+            if not self._pending:  # else the writer is awake: it takes what is pending
+                self._text.notify()
             self._pending.setdefault(key, []).append(text)
-            self._cond.notify_all()
 
     def flush(self, job_id: str, attempt: int, timeout_s: float) -> None:
         """Wait until every delta published for ``attempt`` is in its stream.
@@ -113,13 +121,13 @@ class DeltaPublisher:
         """
         key = (job_id, attempt)
         deadline = time.monotonic() + timeout_s
-        with self._cond:
+        with self._lock:
             try:
                 while key in self._pending or key in self._writing:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise TimeoutError(f"the stream of job {job_id} could not be written")
-                    self._cond.wait(remaining)
+                    self._wrote.wait(remaining)
                 if key in self._fenced:
                     raise StreamFenced(job_id)
             finally:
@@ -128,7 +136,7 @@ class DeltaPublisher:
     def discard(self, job_id: str, attempt: int) -> None:
         """Forget ``attempt``, which publishes no more: drop what it published and has not
         been written (the job was stopped), and where its text ends."""
-        with self._cond:
+        with self._lock:
             self._pending.pop((job_id, attempt), None)
             self._fenced.discard((job_id, attempt))
             self._written.pop((job_id, attempt), None)
@@ -136,9 +144,9 @@ class DeltaPublisher:
 
     def _run(self, stopping: threading.Event) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 while not self._pending and not stopping.is_set():
-                    self._cond.wait()
+                    self._text.wait()
                 if not self._pending:
                     return
                 batch, self._pending = self._pending, {}
@@ -148,7 +156,7 @@ class DeltaPublisher:
             except (RedisError, OSError) as exc:
                 self._on_outage()
                 log.warning("stream deltas not written (%s); retrying", exc)
-                with self._cond:
+                with self._lock:
                     # Older text first: what was published meanwhile follows it.
                     for key, texts in self._pending.items():
                         batch.setdefault(key, []).extend(texts)
@@ -162,18 +170,18 @@ class DeltaPublisher:
                 # writer would stall every streamed job of this worker at its flush.
                 log.exception("stream deltas could not be written; their jobs are stopped")
                 refused = set(batch)
-            with self._cond:
+            with self._lock:
                 self._fenced |= refused
                 self._writing = set()
                 for key in [key for key in self._closing if key not in self._pending]:
                     self._closing.discard(key)  # finished, and now all written (or refused)
                     self._written.pop(key, None)
                     self._fenced.discard(key)  # nobody flushes a finished attempt again
-                self._cond.notify_all()
+                self._wrote.notify_all()
 
     def _write(self, batch: dict[_Attempt, list[str]]) -> set[_Attempt]:
         order = list(batch)
-        with self._cond:
+        with self._lock:
             offsets = [self._written.get(key, 0) for key in order]
         texts = ["".join(batch[key]) for key in order]
         deltas = [
@@ -184,7 +192,7 @@ class DeltaPublisher:
         refused = {
             order[int(position) - 1] for position in self._append(keys=keys, args=args) or ()
         }
-        with self._cond:
+        with self._lock:
             for key, offset, text in zip(order, offsets, texts, strict=True):
                 if key not in refused and key in self._written:  # not flushed nor discarded
                     self._written[key] = offset + len(text.encode())

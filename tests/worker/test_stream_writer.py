@@ -3,6 +3,7 @@ through: a script call that ran but whose reply never came back."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -119,3 +120,74 @@ def test_an_attempt_finished_with_text_still_pending_is_written_then_forgotten(
     texts = [fields["text"] for _, fields in redis.xrange(stream_key(job.id))]  # type: ignore[union-attr]
     assert texts == ["late but whole"]
     assert not publisher._written and not publisher._closing
+
+
+def test_a_delta_wakes_no_thread_waiting_at_its_flush(monkeypatch: Any) -> None:
+    """Jobs that finished generating wait at their flush while the others still stream: with
+    hundreds of each, a delta that woke every waiting thread (each wakeup takes the GIL from
+    the engine loop) cost a step's worth of wakeups per delta. Only the end of a write may
+    wake a flush; the writer itself is woken when text arrives and none was pending."""
+    woken: list[str] = []
+    waiting: list[str] = []
+
+    class Counted(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            name = threading.current_thread().name
+            waiting.append(name)
+            answer = super().wait(timeout)
+            if name.startswith("flush-"):
+                woken.append(name)
+            return answer
+
+    monkeypatch.setattr(streams.threading, "Condition", Counted)
+    publisher = DeltaPublisher(Redis(), "w1:1:a", TTL_S)  # its script is replaced: no Redis
+    write_may_end = threading.Event()
+    batches: list[list[Any]] = []
+
+    def held_write(keys: list[str], args: list[Any]) -> list[int]:
+        batches.append(args)
+        assert write_may_end.wait(10), "the test never let the write end"
+        return []  # nothing refused
+
+    publisher._append = held_write  # type: ignore[method-assign]
+    publisher.start()
+    flushers = 8
+    failures: list[BaseException] = []
+
+    def flush(job_id: str) -> None:
+        try:
+            publisher.flush(job_id, 1, timeout_s=10)
+        except BaseException as exc:  # reported by the test thread
+            failures.append(exc)
+
+    threads = [
+        threading.Thread(target=flush, args=(f"done-{i}",), name=f"flush-{i}")
+        for i in range(flushers)
+    ]
+    try:
+        for i in range(flushers):
+            publisher.open(f"done-{i}", 1)
+            publisher.publish(f"done-{i}", 1, "the whole text")
+        publisher.open("streaming", 1)
+        deadline = time.monotonic() + 10
+        while not batches:  # the writer holds the finished jobs' text in its write
+            assert time.monotonic() < deadline, "the writer never took the text"
+            time.sleep(0.01)
+        for thread in threads:
+            thread.start()
+        while sum(1 for name in waiting if name.startswith("flush-")) < flushers:
+            assert time.monotonic() < deadline, "the flushes never waited"
+            time.sleep(0.01)
+        for step in range(200):  # a job still streaming, one delta a step
+            publisher.publish("streaming", 1, f"token {step} ")
+        time.sleep(0.2)  # time for any thread woken to run (asserted on: how many woke)
+        assert woken == [], f"{len(woken)} wakeups of {flushers} flushes by deltas"
+        write_may_end.set()
+        for thread in threads:
+            thread.join(10)
+        assert not failures, failures
+        assert not any(thread.is_alive() for thread in threads)
+    finally:
+        write_may_end.set()
+        publisher.close()
+    assert len(batches) == 2  # the finished jobs' text, then the streaming job's 200 deltas
