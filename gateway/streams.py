@@ -174,7 +174,8 @@ class StreamHub(LoopTask):
                 await self._changed.wait()
                 continue
             # As bytes: redis-py packs a str argument through several Python calls (124
-            # against 71 us a read of 64 streams here), and every read names every stream.
+            # against 71 us to pack a read of 64 streams here), and every read names every
+            # stream.
             streams: dict[Any, Any] = {
                 key.encode(): _earliest(followers).encode()
                 for key, followers in self._followers.items()

@@ -59,11 +59,9 @@ class DeltaPublisher:
         self._stream_ttl_s = stream_ttl_s
         self._on_outage = on_outage
         self._append = redis.register_script(APPEND_DELTAS)
-        # One lock, two conditions: the writer waits for text (woken only when text arrives
-        # with none pending: at most once per write, not once per delta), flushes wait for
-        # a write to end. A delta used to wake every waiting thread: with hundreds of jobs
-        # waiting at their flush, each of a step's hundreds of deltas woke them all, and
-        # each wakeup takes the GIL from the engine loop.
+        # One lock, two conditions: the writer waits for text, flushes for a write to end.
+        # A delta wakes no flush, and the writer only if nothing was pending (it looks at
+        # what is pending before it waits).
         self._lock = threading.Lock()
         self._text = threading.Condition(self._lock)
         self._wrote = threading.Condition(self._lock)
@@ -109,7 +107,7 @@ class DeltaPublisher:
         with self._lock:
             if key not in self._written or key in self._closing:
                 return
-            if not self._pending:  # else the writer is awake: it takes what is pending
+            if not self._pending:  # else the writer finds it pending before it waits
                 self._text.notify()
             self._pending.setdefault(key, []).append(text)
 
@@ -157,7 +155,9 @@ class DeltaPublisher:
                 self._on_outage()
                 log.warning("stream deltas not written (%s); retrying", exc)
                 with self._lock:
-                    # Older text first: what was published meanwhile follows it.
+                    # Older text first: what was published meanwhile follows it. An attempt
+                    # discarded meanwhile (its job stopped) is forgotten, not written again.
+                    batch = {key: texts for key, texts in batch.items() if key in self._written}
                     for key, texts in self._pending.items():
                         batch.setdefault(key, []).extend(texts)
                     self._pending, self._writing = batch, set()

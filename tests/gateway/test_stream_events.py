@@ -140,11 +140,22 @@ _AWKWARD = [
 
 @pytest.mark.parametrize("kind", [openai._TEXT, openai._CHAT], ids=["completion", "chat"])
 @pytest.mark.parametrize("model", ["a", openai._MARK], ids=["plain", "holds-the-mark"])
-def test_a_delta_chunk_is_the_chunk_built_whole_byte_for_byte(kind: Any, model: str) -> None:
+def test_a_delta_chunk_is_the_chunk_built_whole_byte_for_byte(
+    kind: Any, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each delta is written into a chunk encoded once per stream (only its text is encoded
     per delta); what leaves must be exactly the chunk encoded whole, whatever the text holds,
     and whatever the model's name is (the mark itself: each chunk is then built whole)."""
     job = new_job(status=JobStatus.RUNNING)
+    encoded = 0  # chunks encoded whole
+    sse = openai._sse
+
+    def counted(data: Any) -> bytes:
+        nonlocal encoded
+        encoded += 1
+        return sse(data)
+
+    monkeypatch.setattr(openai, "_sse", counted)
 
     async def collect() -> list[bytes]:
         return [w async for w in _stream(job, [*_AWKWARD, _finished(job)], kind=kind, model=model)]
@@ -158,3 +169,7 @@ def test_a_delta_chunk_is_the_chunk_built_whole_byte_for_byte(kind: Any, model: 
         whole = head | {"model": model, "choices": [choice]}
         assert write == b"data: " + json.dumps(whole, separators=(",", ":")).encode() + b"\n\n"
         assert _data(_events_of(write)[0]) == whole
+    if model == openai._MARK:
+        assert encoded >= len(_AWKWARD)  # each delta's chunk built whole
+    else:
+        assert encoded < len(_AWKWARD)  # the template, the opening and the end: not per delta

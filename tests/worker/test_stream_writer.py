@@ -122,25 +122,39 @@ def test_an_attempt_finished_with_text_still_pending_is_written_then_forgotten(
     assert not publisher._written and not publisher._closing
 
 
-def test_a_delta_wakes_no_thread_waiting_at_its_flush(monkeypatch: Any) -> None:
+def test_a_delta_wakes_no_thread_waiting_at_its_flush() -> None:
     """Jobs that finished generating wait at their flush while the others still stream: with
     hundreds of each, a delta that woke every waiting thread (each wakeup takes the GIL from
     the engine loop) cost a step's worth of wakeups per delta. Only the end of a write may
-    wake a flush; the writer itself is woken when text arrives and none was pending."""
-    woken: list[str] = []
-    waiting: list[str] = []
+    wake a flush; the writer is woken when text arrives and none was pending."""
+    waiting: list[str] = []  # every wait, by thread name
+    notified: list[tuple[int, frozenset[str]]] = []  # every notify: by whom, whom it may wake
 
     class Counted(threading.Condition):
+        """Records its waiters by name, and who notified while which of them waited (both
+        with its lock held)."""
+
+        def __init__(self, lock: Any) -> None:
+            super().__init__(lock)
+            self.names: set[str] = set()
+
         def wait(self, timeout: float | None = None) -> bool:
             name = threading.current_thread().name
             waiting.append(name)
-            answer = super().wait(timeout)
-            if name.startswith("flush-"):
-                woken.append(name)
-            return answer
+            self.names.add(name)
+            try:
+                return super().wait(timeout)
+            finally:
+                self.names.discard(name)
 
-    monkeypatch.setattr(streams.threading, "Condition", Counted)
+        def notify(self, n: int = 1) -> None:  # ``notify_all`` calls it too
+            notified.append((threading.get_ident(), frozenset(self.names)))
+            super().notify(n)
+
     publisher = DeltaPublisher(Redis(), "w1:1:a", TTL_S)  # its script is replaced: no Redis
+    for name, value in list(vars(publisher).items()):  # its conditions, whatever they are
+        if isinstance(value, threading.Condition):
+            setattr(publisher, name, Counted(value._lock))  # type: ignore[attr-defined]
     write_may_end = threading.Event()
     batches: list[list[Any]] = []
 
@@ -178,10 +192,14 @@ def test_a_delta_wakes_no_thread_waiting_at_its_flush(monkeypatch: Any) -> None:
         while sum(1 for name in waiting if name.startswith("flush-")) < flushers:
             assert time.monotonic() < deadline, "the flushes never waited"
             time.sleep(0.01)
+        before = len(notified)
         for step in range(200):  # a job still streaming, one delta a step
             publisher.publish("streaming", 1, f"token {step} ")
-        time.sleep(0.2)  # time for any thread woken to run (asserted on: how many woke)
-        assert woken == [], f"{len(woken)} wakeups of {flushers} flushes by deltas"
+        me = threading.get_ident()
+        by_deltas = [names for who, names in notified[before:] if who == me]
+        woke_flushes = [names for names in by_deltas if any(n.startswith("flush-") for n in names)]
+        assert woke_flushes == [], f"{len(woke_flushes)} of 200 deltas could wake the flushes"
+        assert len(by_deltas) <= 1, f"200 deltas notified {len(by_deltas)} times"
         write_may_end.set()
         for thread in threads:
             thread.join(10)
@@ -191,3 +209,39 @@ def test_a_delta_wakes_no_thread_waiting_at_its_flush(monkeypatch: Any) -> None:
         write_may_end.set()
         publisher.close()
     assert len(batches) == 2  # the finished jobs' text, then the streaming job's 200 deltas
+
+
+def test_an_attempt_discarded_while_its_write_failed_is_not_written_on_the_retry(
+    monkeypatch: Any,
+) -> None:
+    """The job was stopped (its attempt discarded) while the writer was writing its text and
+    Redis went away: the retry must not write it (from offset 0, not where its text ended)
+    nor keep anything about it."""
+    monkeypatch.setattr(streams, "RETRY_S", 0.01)
+    publisher = DeltaPublisher(Redis(), "w1:1:a", TTL_S)  # its script is replaced: no Redis
+    written: list[list[Any]] = []
+
+    def outage_while_discarded(keys: list[str], args: list[Any]) -> list[int]:
+        if not written:
+            written.append([])  # the first call: the job is stopped meanwhile, and it fails
+            publisher.discard("stopped", 1)
+            raise RedisConnectionError("Connection refused.")
+        written.append(keys)
+        return []
+
+    publisher._append = outage_while_discarded  # type: ignore[method-assign]
+    publisher.open("stopped", 1)
+    publisher.open("running", 1)
+    publisher.publish("stopped", 1, "text of a stopped job")
+    publisher.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(written) < 2:  # the failed call, then the retry of what is still wanted
+            publisher.publish("running", 1, ".")
+            publisher.flush("running", 1, timeout_s=10)
+            assert time.monotonic() < deadline, "the writer never wrote again"
+    finally:
+        publisher.close()
+    retried = [key for call in written[1:] for key in call]
+    assert not any("stopped" in key for key in retried), retried
+    assert ("stopped", 1) not in publisher._fenced | publisher._written.keys()
