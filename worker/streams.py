@@ -171,7 +171,8 @@ class DeltaPublisher:
                 log.exception("stream deltas could not be written; their jobs are stopped")
                 refused = set(batch)
             with self._lock:
-                self._fenced |= refused
+                # Kept for the attempt's flush; one discarded meanwhile has none to come.
+                self._fenced |= {key for key in refused if key in self._written}
                 self._writing = set()
                 for key in [key for key in self._closing if key not in self._pending]:
                     self._closing.discard(key)  # finished, and now all written (or refused)

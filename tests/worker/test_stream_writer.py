@@ -211,21 +211,25 @@ def test_a_delta_wakes_no_thread_waiting_at_its_flush() -> None:
     assert len(batches) == 2  # the finished jobs' text, then the streaming job's 200 deltas
 
 
-def test_an_attempt_discarded_while_its_write_failed_is_not_written_on_the_retry(
-    monkeypatch: Any,
+@pytest.mark.parametrize("write", ["failed", "refused"])
+def test_an_attempt_discarded_while_its_text_was_written_leaves_nothing_behind(
+    monkeypatch: Any, write: str
 ) -> None:
-    """The job was stopped (its attempt discarded) while the writer was writing its text and
-    Redis went away: the retry must not write it (from offset 0, not where its text ended)
-    nor keep anything about it."""
+    """The job was stopped (its attempt discarded) while the writer was writing its text, and
+    that write failed (Redis went away) or was refused (the stopped attempt's lease was gone):
+    the retry must not write it (from offset 0, not where its text ended), and nothing is
+    kept about it (a refusal nobody will flush stayed in the fenced set for good)."""
     monkeypatch.setattr(streams, "RETRY_S", 0.01)
     publisher = DeltaPublisher(Redis(), "w1:1:a", TTL_S)  # its script is replaced: no Redis
     written: list[list[Any]] = []
 
     def outage_while_discarded(keys: list[str], args: list[Any]) -> list[int]:
         if not written:
-            written.append([])  # the first call: the job is stopped meanwhile, and it fails
+            written.append([])  # the first call: the job is stopped meanwhile
             publisher.discard("stopped", 1)
-            raise RedisConnectionError("Connection refused.")
+            if write == "failed":
+                raise RedisConnectionError("Connection refused.")
+            return [1]  # the batch's first attempt refused: the stopped one, alone in it
         written.append(keys)
         return []
 
