@@ -172,4 +172,5 @@ def test_a_delta_chunk_is_the_chunk_built_whole_byte_for_byte(
     if model == openai._MARK:
         assert encoded >= len(_AWKWARD)  # each delta's chunk built whole
     else:
-        assert encoded < len(_AWKWARD)  # the template, the opening and the end: not per delta
+        # The template, the opening (chat), the end and [DONE]: none per delta.
+        assert encoded == 3 + (kind.opening is not None)

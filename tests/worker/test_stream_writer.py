@@ -208,7 +208,7 @@ def test_a_delta_wakes_no_thread_waiting_at_its_flush() -> None:
     finally:
         write_may_end.set()
         publisher.close()
-    assert len(batches) == 2  # the finished jobs' text, then the streaming job's 200 deltas
+    assert len(batches) == 2  # the text of the finished jobs, then the one still streaming
 
 
 @pytest.mark.parametrize("write", ["failed", "refused"])
