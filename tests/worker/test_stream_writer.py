@@ -217,8 +217,8 @@ def test_an_attempt_discarded_while_its_text_was_written_leaves_nothing_behind(
 ) -> None:
     """The job was stopped (its attempt discarded) while the writer was writing its text, and
     that write failed (Redis went away) or was refused (the stopped attempt's lease was gone):
-    the retry must not write it (from offset 0, not where its text ended), and nothing is
-    kept about it (a refusal nobody will flush stayed in the fenced set for good)."""
+    no later write carries it (a retry wrote it from offset 0, not where its text ended), and
+    nothing is kept about it (a refusal nobody will flush stayed in the fenced set for good)."""
     monkeypatch.setattr(streams, "RETRY_S", 0.01)
     publisher = DeltaPublisher(Redis(), "w1:1:a", TTL_S)  # its script is replaced: no Redis
     written: list[list[Any]] = []
@@ -240,7 +240,7 @@ def test_an_attempt_discarded_while_its_text_was_written_leaves_nothing_behind(
     publisher.start()
     try:
         deadline = time.monotonic() + 10
-        while len(written) < 2:  # the failed call, then the retry of what is still wanted
+        while len(written) < 2:  # the first call, then a write of what is still wanted
             publisher.publish("running", 1, ".")
             publisher.flush("running", 1, timeout_s=10)
             assert time.monotonic() < deadline, "the writer never wrote again"
