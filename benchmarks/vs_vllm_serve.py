@@ -27,6 +27,7 @@ the serving path, not a tenant's quota; the gateway's Redis bound is left as shi
     .venv/bin/python benchmarks/vs_vllm_serve.py [--rounds 2] [--requests 256]
         [--single-requests 64] [--short-requests 50] [--concurrency 1 64 256]
         [--vllm-placement as-shipped|colocated] [--max-loras N] [--json results.json]
+        [--step-trace DIR]
 
 CPU: everything shares this machine's cores, so each scenario prints the CPU seconds of every
 process. vLLM: ``api server`` (the ``vllm serve`` process: HTTP, tokenizing, detokenizing) and
@@ -49,6 +50,14 @@ same steps in more time, slower steps (or an engine that waited for work). With 
 over ``max_loras`` 4 slots, the batch depends on which adapters hold the slots as requests
 come and go; ``--max-loras 8`` gives every adapter a slot on both sides, which measures the
 serving path without that.
+
+``--step-trace DIR``: both engines write a line per step into ``DIR``
+(``lorafleet.step_trace``), and a table per scenario gives, for each server and round, the
+requests the engine scheduled per step (mean and median), its "thin" steps (those that
+scheduled at most an eighth of the run's widest step: a few requests running while the rest
+are elsewhere), and how long after the run's first step the engine first held half as many
+requests as it ever held in the run; ``DIR/timeline-<scenario>.png`` plots the requests
+running over time, every run of the scenario on one figure.
 """
 
 from __future__ import annotations
@@ -64,6 +73,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -78,6 +88,7 @@ from throughput import ENGINE, WORDS, cpu_seconds
 
 from contracts.keys import worker_key
 from contracts.queues import Tier
+from lorafleet import step_trace
 from lorafleet.client import auth_headers
 from lorafleet.fixtures import write_fixtures
 from lorafleet.processes import free_port, interrupt_on_signal, spawn, wait_until
@@ -343,6 +354,9 @@ class Measured:
     cpu_s: dict[str, float]
     engine_steps: float | None = None
     tokens_per_step: float | None = None
+    started: float = 0.0
+    """``time.time()`` as the scenario started and ended (the steps traced between them)."""
+    ended: float = 0.0
 
 
 async def measure(
@@ -359,11 +373,13 @@ async def measure(
     measured = {}
     for scenario in scenarios:
         before, steps_before = cpu_now(server), engine_steps(server, console)
+        started = time.time()
         result = await run(server.url, server.headers, scenario, timeout_s)
+        ended = time.time()
         after, steps_after = cpu_now(server), engine_steps(server, console)
         cpu_s = {name: round(after[name] - before[name], 2) for name in after}
         steps, per_step = steps_between(steps_before, steps_after)
-        measured[scenario.name] = Measured(result, cpu_s, steps, per_step)
+        measured[scenario.name] = Measured(result, cpu_s, steps, per_step, started, ended)
         stats = summarise([result])
         engine = "" if per_step is None else f"; engine {steps:,.0f} steps, {per_step:.1f} tok/step"
         console.print(
@@ -540,6 +556,76 @@ def report(
     }
 
 
+def trace_report(
+    runs: dict[str, dict[str, list[Measured]]], directory: Path, console: Console
+) -> dict[str, dict[str, list[dict[str, Any] | None]]]:
+    """The traced steps of every run (``--step-trace``): a table per scenario and a plot of
+    the requests running over time; the shapes as JSON-ready data."""
+    shapes: dict[str, dict[str, list[dict[str, Any] | None]]] = {}
+    for scenario, by_server in runs.items():
+        table = Table(title=f"{scenario}: the engine's steps, traced (lorafleet.step_trace)")
+        for column in ("server", "round", "steps", "requests / step, mean", "median",
+                       "thin steps", "ms to half the peak"):  # fmt: skip
+            table.add_column(column, justify="left" if column == "server" else "right")
+        timelines = []
+        for server, measured in by_server.items():
+            for round_, m in enumerate(measured, 1):
+                steps = step_trace.read(directory, m.started, m.ended)
+                found = step_trace.shape(steps)
+                shapes.setdefault(scenario, {}).setdefault(server, []).append(
+                    None if found is None else asdict(found)
+                )
+                if found is None:
+                    table.add_row(server, str(round_), "0", "-", "-", "-", "-")
+                    continue
+                table.add_row(
+                    server,
+                    str(round_),
+                    str(found.steps),
+                    f"{found.mean_batch:.1f}",
+                    f"{found.median_batch:.0f}",
+                    str(found.thin_steps),
+                    f"{found.to_half_ms:,.0f}",
+                )
+                timelines.append((server, round_, m.started, steps))
+        console.print(table)
+        if any(len(steps) > 1 for *_, steps in timelines):
+            plotted = plot_timelines(scenario, timelines, directory)
+            console.print(f"requests running per step: {plotted}", markup=False)
+    return shapes
+
+
+def plot_timelines(
+    scenario: str, timelines: list[tuple[str, int, float, list[step_trace.Step]]], directory: Path
+) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(10, 4.5))
+    colours = {VLLM: "tab:blue", LORAFLEET: "tab:orange"}
+    for server, round_, started, steps in timelines:
+        axes.step(
+            [step.at - started for step in steps],
+            [step.running for step in steps],
+            where="post",
+            color=colours.get(server),
+            linestyle="-" if round_ == 1 else (0, (4, 2 * round_)),
+            label=f"{server}, round {round_} ({len(steps)} steps)",
+        )
+    axes.set_xlabel("seconds since the scenario's first request was sent")
+    axes.set_ylabel("requests running in the engine")
+    axes.set_title(f"{scenario}: one point per engine step")
+    axes.legend(loc="upper right", fontsize="small")
+    axes.grid(alpha=0.3)
+    path = directory / f"timeline-{scenario.replace(' ', '-').replace('=', '')}.png"
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2, help="A B rounds (vLLM, then lorafleet)")
@@ -566,7 +652,17 @@ def main() -> None:
         f"({ADAPTERS} gives every adapter one)",
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--step-trace",
+        type=Path,
+        metavar="DIR",
+        help="both engines write a line per step here; a table and a plot per scenario",
+    )
     args = parser.parse_args()
+    if args.step_trace is not None:
+        args.step_trace = args.step_trace.resolve()
+        args.step_trace.mkdir(parents=True, exist_ok=True)
+        os.environ[step_trace.ENV] = str(args.step_trace)  # both servers' engines inherit it
     if args.max_loras is not None:
         if not 1 <= args.max_loras <= ENGINE["max_cpu_loras"]:
             parser.error(f"--max-loras: 1 to max_cpu_loras ({ENGINE['max_cpu_loras']})")
@@ -611,6 +707,8 @@ def main() -> None:
         for scenario, by_server in runs.items()
     }
     results = report(summaries, runs, args, console)
+    if args.step_trace is not None:
+        results["step_trace"] = trace_report(runs, args.step_trace, console)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
         console.print(f"results written to {args.json}")
