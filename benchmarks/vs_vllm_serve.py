@@ -544,6 +544,8 @@ def report(
                         "cpu_s": m.cpu_s,
                         "engine_steps": m.engine_steps,
                         "tokens_per_step": m.tokens_per_step,
+                        "started": m.started,
+                        "ended": m.ended,
                         **asdict(summarise([m.run])),
                     }
                     for m in measured
@@ -589,7 +591,7 @@ def trace_report(
                 )
                 timelines.append((server, round_, m.started, steps))
         console.print(table)
-        if any(len(steps) > 1 for *_, steps in timelines):
+        if any(step.running > 1 for *_, steps in timelines for step in steps):
             plotted = plot_timelines(scenario, timelines, directory)
             console.print(f"requests running per step: {plotted}", markup=False)
     return shapes
