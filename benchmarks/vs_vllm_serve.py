@@ -55,9 +55,9 @@ serving path without that.
 (``lorafleet.step_trace``), and a table per scenario gives, for each server and round, the
 requests the engine scheduled per step (mean and median), its "thin" steps (those that
 scheduled at most an eighth of the run's widest step: a few requests running while the rest
-are elsewhere), and how long after the run's first step the engine first held half as many
-requests as it ever held in the run; ``DIR/timeline-<scenario>.png`` plots the requests
-running over time, every run of the scenario on one figure.
+are elsewhere), and how long after the scenario started the engine ran its first step and
+first held half as many requests as it ever held in the run; ``DIR/timeline-<scenario>.png``
+plots the requests running over time, every run of the scenario on one figure.
 """
 
 from __future__ import annotations
@@ -567,18 +567,18 @@ def trace_report(
     for scenario, by_server in runs.items():
         table = Table(title=f"{scenario}: the engine's steps, traced (lorafleet.step_trace)")
         for column in ("server", "round", "steps", "requests / step, mean", "median",
-                       "thin steps", "ms to half the peak"):  # fmt: skip
+                       "thin steps", "ms to first step", "ms to half the peak"):  # fmt: skip
             table.add_column(column, justify="left" if column == "server" else "right")
         timelines = []
         for server, measured in by_server.items():
             for round_, m in enumerate(measured, 1):
                 steps = step_trace.read(directory, m.started, m.ended)
-                found = step_trace.shape(steps)
+                found = step_trace.shape(steps, m.started)
                 shapes.setdefault(scenario, {}).setdefault(server, []).append(
                     None if found is None else asdict(found)
                 )
                 if found is None:
-                    table.add_row(server, str(round_), "0", "-", "-", "-", "-")
+                    table.add_row(server, str(round_), "0", "-", "-", "-", "-", "-")
                     continue
                 table.add_row(
                     server,
@@ -587,6 +587,7 @@ def trace_report(
                     f"{found.mean_batch:.1f}",
                     f"{found.median_batch:.0f}",
                     str(found.thin_steps),
+                    f"{found.first_step_ms:,.0f}",
                     f"{found.to_half_ms:,.0f}",
                 )
                 timelines.append((server, round_, m.started, steps))
@@ -594,6 +595,14 @@ def trace_report(
         if any(step.running > 1 for *_, steps in timelines for step in steps):
             plotted = plot_timelines(scenario, timelines, directory)
             console.print(f"requests running per step: {plotted}", markup=False)
+    for server in {server for by_server in shapes.values() for server in by_server}:
+        if all(found is None for by_server in shapes.values() for found in by_server[server]):
+            console.print(
+                f"{server}: no engine step was traced. Is lorafleet's entry point installed "
+                "(pip install -e . after pulling), and VLLM_PLUGINS unset or naming "
+                "lorafleet-step-trace?",
+                markup=False,
+            )
     return shapes
 
 
@@ -616,7 +625,7 @@ def plot_timelines(
             linestyle="-" if round_ == 1 else (0, (4, 2 * round_)),
             label=f"{server}, round {round_} ({len(steps)} steps)",
         )
-    axes.set_xlabel("seconds since the scenario's first request was sent")
+    axes.set_xlabel("seconds since the scenario started")
     axes.set_ylabel("requests running in the engine")
     axes.set_title(f"{scenario}: one point per engine step")
     axes.legend(loc="upper right", fontsize="small")
@@ -710,7 +719,10 @@ def main() -> None:
     }
     results = report(summaries, runs, args, console)
     if args.step_trace is not None:
-        results["step_trace"] = trace_report(runs, args.step_trace, console)
+        try:
+            results["step_trace"] = trace_report(runs, args.step_trace, console)
+        except Exception as exc:  # the run's results are written all the same
+            console.print(f"the step trace could not be reported: {exc!r}", markup=False)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
         console.print(f"results written to {args.json}")

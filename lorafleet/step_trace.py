@@ -4,18 +4,22 @@ vLLM's ``vllm:iteration_tokens_total`` counts steps and tokens; it cannot show *
 engine had few requests to batch (requests still on their way to it, a last few running
 alone). With ``LORAFLEET_STEP_TRACE`` naming a directory, every vLLM engine core started in
 this environment (lorafleet's worker, ``vllm serve``, offline ``LLM``) appends one line per
-step to ``steps-<pid>.tsv`` there: the time, the requests running and waiting in the
-scheduler, the requests and tokens scheduled, the new requests among them, and the adapters
-the running requests use. Unset (the default), nothing is patched.
+step that scheduled work to ``steps-<pid>.tsv`` there (the pid of the process that runs the
+step): the time, the requests running and waiting in the scheduler, the requests and tokens
+scheduled, the new requests among them, and the adapters the running requests use. Unset (the
+default), nothing is patched.
 
-It is a vLLM general plugin (entry point ``vllm.general_plugins``, loaded by every engine
-core process as it starts; ``VLLM_PLUGINS``, if set, must name ``lorafleet-step-trace``).
-The step reads the scheduler's state only: nothing it decides changes. One line costs a
-buffered write, about 10 us against the 5-500 ms steps of the CPU engine here.
+It is a vLLM general plugin (entry point ``vllm.general_plugins``; vLLM loads general plugins
+in its front-end process and in every engine core as it starts, and a forked engine core
+inherits the patch; ``VLLM_PLUGINS``, if set, must name ``lorafleet-step-trace``). The step
+reads the scheduler's state only: nothing it decides changes; each line is one line-buffered
+write. The trace never stops an engine: a directory it cannot make or a line it cannot write
+is logged once and tracing stops in that process.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -26,6 +30,8 @@ from typing import Any
 ENV = "LORAFLEET_STEP_TRACE"
 PREFIX = "steps-"
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Step:
@@ -33,6 +39,7 @@ class Step:
     """``time.time()`` as the step was scheduled."""
     running: int
     waiting: int
+    """Waiting in the scheduler's queues (those holding KV blocks for a transfer included)."""
     scheduled: int
     """Requests given tokens in this step."""
     tokens: int
@@ -64,7 +71,7 @@ def observe(scheduler: Any, output: Any) -> Step:
     return Step(
         at=time.time(),
         running=len(scheduler.running),
-        waiting=len(scheduler.waiting),
+        waiting=len(scheduler.waiting) + len(getattr(scheduler, "kv_holding_waiting", ())),
         scheduled=len(output.num_scheduled_tokens),
         tokens=output.total_num_scheduled_tokens,
         new=len(output.scheduled_new_reqs),
@@ -81,17 +88,29 @@ def install() -> None:
 
     if getattr(Scheduler.schedule, "_lorafleet_traced", False):
         return  # plugins may be loaded more than once in a process
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    path = Path(directory) / f"{PREFIX}{os.getpid()}.tsv"
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.warning("engine steps not traced: %s", exc)
+        return
     schedule = Scheduler.schedule
-    sink: list[Any] = []  # opened on the first step: only engine cores write a file
+    # (pid, file) of the process writing: opened on its first step (only engine cores
+    # schedule), named after the process that runs the step, not the one that installed
+    # the patch (an engine core forked from vLLM's front end inherits it). None: given up.
+    sink: dict[str, Any] = {"pid": None, "file": None}
 
     def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
         output = schedule(self, *args, **kwargs)
-        if output.total_num_scheduled_tokens:
-            if not sink:
-                sink.append(path.open("a", buffering=1))  # a line each: readable mid-run
-            sink[0].write(observe(self, output).line())
+        if output.total_num_scheduled_tokens and sink["pid"] != -1:
+            try:
+                if sink["pid"] != os.getpid():
+                    path = Path(directory) / f"{PREFIX}{os.getpid()}.tsv"
+                    sink["file"] = path.open("a", buffering=1)  # a line each: readable mid-run
+                    sink["pid"] = os.getpid()
+                sink["file"].write(observe(self, output).line())
+            except OSError as exc:
+                sink["pid"] = -1
+                log.warning("engine steps no longer traced: %s", exc)
         return output
 
     traced._lorafleet_traced = True  # type: ignore[attr-defined]
@@ -108,13 +127,16 @@ class Shape:
     median_batch: float
     thin_steps: int
     """Steps that scheduled at most an eighth of the run's widest step."""
+    first_step_ms: float
+    """From the run's start to its first step."""
     to_half_ms: float
-    """From the run's first step to the first that found at least half as many requests
-    running as the most any step found."""
+    """From the run's start to the first step that found at least half as many requests
+    running as the most any step of the run found."""
 
 
-def shape(steps: list[Step]) -> Shape | None:
-    """``steps`` (one run's, in time order) summed up; ``None`` for a run without steps."""
+def shape(steps: list[Step], started: float) -> Shape | None:
+    """``steps`` (one run's, in time order; the run started at ``started``, ``time.time()``)
+    summed up; ``None`` for a run without steps."""
     if not steps:
         return None
     batches = sorted(step.scheduled for step in steps)
@@ -126,9 +148,10 @@ def shape(steps: list[Step]) -> Shape | None:
     return Shape(
         steps=len(steps),
         mean_batch=sum(batches) / len(batches),
-        median_batch=median,
+        median_batch=float(median),
         thin_steps=sum(1 for batch in batches if 8 * batch <= widest),
-        to_half_ms=(half - steps[0].at) * 1000,
+        first_step_ms=(steps[0].at - started) * 1000,
+        to_half_ms=(half - started) * 1000,
     )
 
 

@@ -15,9 +15,14 @@ from lorafleet.step_trace import ENV, Step, read, shape
 # vLLM's own loader, as an engine core runs it at start; then a scheduler step whose
 # original is replaced by a stand-in (no engine here), called the way the engine calls it.
 PROBE = """
-import json, sys
+import dataclasses, json, sys
 from types import SimpleNamespace as NS
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+
+# The stand-ins below carry the fields the trace reads: vLLM's own must have them.
+fields = {f.name for f in dataclasses.fields(SchedulerOutput)}
+assert {"num_scheduled_tokens", "total_num_scheduled_tokens", "scheduled_new_reqs"} <= fields
 
 outputs = [
     NS(num_scheduled_tokens={"a": 64, "b": 1}, total_num_scheduled_tokens=65,
@@ -28,17 +33,23 @@ Scheduler.schedule = lambda self, *args, **kwargs: outputs.pop(0)
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 traced = getattr(Scheduler.schedule, "_lorafleet_traced", False)
+from lorafleet import step_trace
+step_trace.install()  # again, as a second load would: still one line a step
 me = NS(
     running=[NS(lora_request=NS(lora_int_id=1)), NS(lora_request=NS(lora_int_id=1)),
              NS(lora_request=NS(lora_int_id=2)), NS(lora_request=None)],
-    waiting=[1, 2, 3],
+    waiting=[1, 2],
+    kv_holding_waiting=[3],
 )
 given = [Scheduler.schedule(me), Scheduler.schedule(me)]
+import os
+print(os.getpid())
 print(json.dumps({"traced": traced, "given": [g.total_num_scheduled_tokens for g in given]}))
 """
 
 
-def _probe(tmp_path: Path, trace: str | None) -> str:
+def _probe(tmp_path: Path, trace: str | None) -> tuple[str, int]:
+    """What the probe printed last, and its pid."""
     env = {k: v for k, v in os.environ.items() if k not in (ENV, "VLLM_PLUGINS")}
     if trace is not None:
         env[ENV] = trace
@@ -51,17 +62,22 @@ def _probe(tmp_path: Path, trace: str | None) -> str:
         timeout=300,
         check=True,
     )
-    return done.stdout.strip().splitlines()[-1]
+    *_, pid, printed = done.stdout.strip().splitlines()
+    return printed, int(pid)
 
 
 def test_vllms_plugin_loader_installs_the_trace_only_when_asked(tmp_path: Path) -> None:
-    assert _probe(tmp_path, None) == '{"traced": false, "given": [65, 0]}'
-    assert not list(tmp_path.iterdir())
+    assert _probe(tmp_path, None)[0] == '{"traced": false, "given": [65, 0]}'
+    # A directory it cannot make leaves the scheduler as it was (and the engine starting).
+    occupied = tmp_path / "a-file"
+    occupied.write_text("")
+    assert _probe(tmp_path, str(occupied))[0] == '{"traced": false, "given": [65, 0]}'
 
     trace = tmp_path / "trace"
-    assert _probe(tmp_path, str(trace)) == '{"traced": true, "given": [65, 0]}'
+    printed, pid = _probe(tmp_path, str(trace))
+    assert printed == '{"traced": true, "given": [65, 0]}'
     (written,) = trace.iterdir()
-    assert written.name.startswith("steps-") and written.suffix == ".tsv"
+    assert written.name == f"steps-{pid}.tsv"  # the process that ran the steps
     # The step that scheduled nothing wrote nothing; the one that did, what it saw.
     (step,) = read(trace, 0, float("inf"))
     assert (step.running, step.waiting, step.scheduled, step.tokens, step.new) == (4, 3, 2, 65, 1)
@@ -78,14 +94,17 @@ def test_read_keeps_the_window_in_time_order_and_leaves_a_partial_line(tmp_path:
     assert [step.at for step in read(tmp_path, 1.0, 4.0)] == [1.0, 2.0, 3.0]
 
 
-def test_shape_counts_thin_steps_and_the_time_to_half_the_peak() -> None:
+def test_shape_counts_thin_steps_and_times_from_the_runs_start() -> None:
     running = [1, 2, 2, 30, 64, 64, 64, 8, 8, 4]
     steps = [Step(10 + i * 0.01, r, 0, r, r, 0, 1) for i, r in enumerate(running)]
-    found = shape(steps)
+    found = shape(steps, started=9.5)
     assert found is not None
     assert found.steps == 10
     assert found.mean_batch == sum(running) / 10
     assert found.median_batch == (8 + 8) / 2
     assert found.thin_steps == 6  # at most 64 / 8 = 8 requests: 1, 2, 2, 8, 8, 4
-    assert round(found.to_half_ms) == 40  # 64 / 2 = 32 first reached by the fifth step
-    assert shape([]) is None
+    assert round(found.first_step_ms) == 500
+    assert round(found.to_half_ms) == 540  # 64 / 2 = 32 first reached by the fifth step
+    odd = shape(steps[:9], started=10)
+    assert odd is not None and odd.median_batch == 8  # 1 2 2 8 [8] 30 64 64 64
+    assert shape([], started=0) is None
