@@ -593,9 +593,13 @@ def trace_report(
                 timelines.append((server, round_, m.started, steps))
         console.print(table)
         if any(step.running > 1 for *_, steps in timelines for step in steps):
-            plotted = plot_timelines(scenario, timelines, directory)
-            console.print(f"requests running per step: {plotted}", markup=False)
-    for server in {server for by_server in shapes.values() for server in by_server}:
+            try:
+                plotted = plot_timelines(scenario, timelines, directory)
+            except Exception as exc:  # the tables and shapes stand without the plot
+                console.print(f"{scenario}: not plotted ({exc!r})", markup=False)
+            else:
+                console.print(f"requests running per step: {plotted}", markup=False)
+    for server in sorted({server for by_server in shapes.values() for server in by_server}):
         if all(found is None for by_server in shapes.values() for found in by_server[server]):
             console.print(
                 f"{server}: no engine step was traced. Is lorafleet's entry point installed "

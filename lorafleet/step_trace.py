@@ -13,8 +13,9 @@ It is a vLLM general plugin (entry point ``vllm.general_plugins``; vLLM loads ge
 in its front-end process and in every engine core as it starts, and a forked engine core
 inherits the patch; ``VLLM_PLUGINS``, if set, must name ``lorafleet-step-trace``). The step
 reads the scheduler's state only: nothing it decides changes; each line is one line-buffered
-write. The trace never stops an engine: a directory it cannot make or a line it cannot write
-is logged once and tracing stops in that process.
+write. The trace never stops an engine: a directory it cannot make leaves the scheduler
+unpatched, and a step it cannot trace (a line it cannot write, a scheduler whose attributes
+changed) is logged once and tracing stops in that process; the step itself goes on.
 """
 
 from __future__ import annotations
@@ -94,9 +95,10 @@ def install() -> None:
         log.warning("engine steps not traced: %s", exc)
         return
     schedule = Scheduler.schedule
-    # (pid, file) of the process writing: opened on its first step (only engine cores
+    # The process writing and its file: opened on its first step (only engine cores
     # schedule), named after the process that runs the step, not the one that installed
-    # the patch (an engine core forked from vLLM's front end inherits it). None: given up.
+    # the patch (an engine core forked from vLLM's front end inherits it). "pid" None: no
+    # file yet; -1: given up.
     sink: dict[str, Any] = {"pid": None, "file": None}
 
     def traced(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -108,9 +110,9 @@ def install() -> None:
                     sink["file"] = path.open("a", buffering=1)  # a line each: readable mid-run
                     sink["pid"] = os.getpid()
                 sink["file"].write(observe(self, output).line())
-            except OSError as exc:
+            except Exception as exc:  # the trace's own failure: never the engine's
                 sink["pid"] = -1
-                log.warning("engine steps no longer traced: %s", exc)
+                log.warning("engine steps no longer traced: %r", exc)
         return output
 
     traced._lorafleet_traced = True  # type: ignore[attr-defined]

@@ -28,6 +28,8 @@ outputs = [
     NS(num_scheduled_tokens={"a": 64, "b": 1}, total_num_scheduled_tokens=65,
        scheduled_new_reqs=["a"]),
     NS(num_scheduled_tokens={}, total_num_scheduled_tokens=0, scheduled_new_reqs=[]),
+    NS(num_scheduled_tokens={"c": 3}, total_num_scheduled_tokens=3, scheduled_new_reqs=[]),
+    NS(num_scheduled_tokens={"c": 1}, total_num_scheduled_tokens=1, scheduled_new_reqs=[]),
 ]
 Scheduler.schedule = lambda self, *args, **kwargs: outputs.pop(0)
 from vllm.plugins import load_general_plugins
@@ -41,15 +43,26 @@ me = NS(
     waiting=[1, 2],
     kv_holding_waiting=[3],
 )
-given = [Scheduler.schedule(me), Scheduler.schedule(me)]
 import os
-print(os.getpid())
-print(json.dumps({"traced": traced, "given": [g.total_num_scheduled_tokens for g in given]}))
+# The steps run in a process forked after the patch, as an engine core forked from vLLM's
+# front end does. The third step's scheduler lacks what the trace reads: its step is still
+# given, and the trace stops (the fourth writes nothing).
+child = os.fork()
+if child == 0:
+    given = [Scheduler.schedule(me), Scheduler.schedule(me)]
+    given.append(Scheduler.schedule(NS(waiting=[])))
+    given.append(Scheduler.schedule(me))
+    with open(f"given-{os.getpid()}.json", "w") as out:
+        json.dump([g.total_num_scheduled_tokens for g in given], out)
+    os._exit(0)
+os.waitpid(child, 0)
+print(child)
+print(json.dumps({"traced": traced, "given": json.load(open(f"given-{child}.json"))}))
 """
 
 
 def _probe(tmp_path: Path, trace: str | None) -> tuple[str, int]:
-    """What the probe printed last, and its pid."""
+    """What the probe printed last, and the pid of the process that ran its steps."""
     env = {k: v for k, v in os.environ.items() if k not in (ENV, "VLLM_PLUGINS")}
     if trace is not None:
         env[ENV] = trace
@@ -67,17 +80,17 @@ def _probe(tmp_path: Path, trace: str | None) -> tuple[str, int]:
 
 
 def test_vllms_plugin_loader_installs_the_trace_only_when_asked(tmp_path: Path) -> None:
-    assert _probe(tmp_path, None)[0] == '{"traced": false, "given": [65, 0]}'
+    assert _probe(tmp_path, None)[0] == '{"traced": false, "given": [65, 0, 3, 1]}'
     # A directory it cannot make leaves the scheduler as it was (and the engine starting).
     occupied = tmp_path / "a-file"
     occupied.write_text("")
-    assert _probe(tmp_path, str(occupied))[0] == '{"traced": false, "given": [65, 0]}'
+    assert _probe(tmp_path, str(occupied))[0] == '{"traced": false, "given": [65, 0, 3, 1]}'
 
     trace = tmp_path / "trace"
     printed, pid = _probe(tmp_path, str(trace))
-    assert printed == '{"traced": true, "given": [65, 0]}'
+    assert printed == '{"traced": true, "given": [65, 0, 3, 1]}'
     (written,) = trace.iterdir()
-    assert written.name == f"steps-{pid}.tsv"  # the process that ran the steps
+    assert written.name == f"steps-{pid}.tsv"  # the forked process that ran the steps
     # The step that scheduled nothing wrote nothing; the one that did, what it saw.
     (step,) = read(trace, 0, float("inf"))
     assert (step.running, step.waiting, step.scheduled, step.tokens, step.new) == (4, 3, 2, 65, 1)
@@ -105,6 +118,12 @@ def test_shape_counts_thin_steps_and_times_from_the_runs_start() -> None:
     assert found.thin_steps == 6  # at most 64 / 8 = 8 requests: 1, 2, 2, 8, 8, 4
     assert round(found.first_step_ms) == 500
     assert round(found.to_half_ms) == 540  # 64 / 2 = 32 first reached by the fifth step
-    odd = shape(steps[:9], started=10)
-    assert odd is not None and odd.median_batch == 8  # 1 2 2 8 [8] 30 64 64 64
+
+    # Middles that differ: the odd run takes the middle one, the even one their mean.
+    def batches(*running: int) -> list[Step]:
+        return [Step(i, r, 0, r, r, 0, 1) for i, r in enumerate(running)]
+
+    odd, even = shape(batches(7, 1, 5, 3, 64), 0), shape(batches(7, 1, 5, 3), 0)
+    assert odd is not None and odd.median_batch == 5
+    assert even is not None and even.median_batch == 4
     assert shape([], started=0) is None
