@@ -21,6 +21,8 @@ from contracts.strict_json import MAX_DEPTH, JsonRefusal, loads
         (b'{"a": {"b": "\\udcff"}}', "surrogate"),
         (b'{"\\ud800": 1}', "surrogate"),
         (b'{"a": 1,}', "not JSON"),
+        (b'{"model": "a", "model": "b"}', "'model' appears twice"),
+        (b'[{"a": {"b": 1, "b": 1}}]', "'b' appears twice"),
         (b"", "not JSON"),
     ],
 )

@@ -75,6 +75,10 @@ HOSTILE: dict[str, Callable[[str], bytes]] = {
     "not JSON": lambda shaped: shaped.replace("VALUE", "{").encode(),
     "trailing garbage": lambda shaped: shaped.replace("VALUE", "{}").encode() + b"x",
     "a lone surrogate escape": lambda shaped: shaped.replace("VALUE", '"\\udcff"').encode(),
+    # Another reader (a proxy, a log pipeline) may keep the first where Python keeps the last.
+    "a key sent twice": lambda shaped: (
+        shaped.replace("VALUE", "{}").replace("{", '{"user": "a", "user": "b", ', 1).encode()
+    ),
 }
 
 
