@@ -105,10 +105,10 @@ def _refuse_first_non_finite(value: Any) -> None:
         )
 
 
-def loads(raw: bytes | str, unique_keys: bool = False) -> Any:
+def loads(raw: bytes | str) -> Any:
     """The value of ``raw``: UTF-8 (never replaced), no ``NaN``/``Infinity``/overflowing
-    numbers (the field named), at most ``MAX_DEPTH`` levels deep, with ``unique_keys`` no key
-    twice in an object; otherwise ``JsonRefusal``."""
+    numbers (the field named), at most ``MAX_DEPTH`` levels deep, no key twice in an object;
+    otherwise ``JsonRefusal``."""
     if isinstance(raw, bytes):
         try:
             text = raw.decode("utf-8")
@@ -121,7 +121,7 @@ def loads(raw: bytes | str, unique_keys: bool = False) -> Any:
             text,
             parse_constant=_NonFinite,
             parse_float=_number,
-            object_pairs_hook=_unique_keys if unique_keys else None,
+            object_pairs_hook=_unique_keys,
         )
     except JsonRefusal:
         raise

@@ -138,7 +138,7 @@ def _check_files(directory: Path, limits: Limits) -> None:
 
 def _read_config(directory: Path) -> dict[str, Any]:
     try:
-        config = strict_json.loads((directory / CONFIG_FILE).read_bytes(), unique_keys=True)
+        config = strict_json.loads((directory / CONFIG_FILE).read_bytes())
     except strict_json.JsonRefusal as exc:
         raise _fail(
             ErrorCode.ADAPTER_CONFIG_INVALID, f"{CONFIG_FILE} is not valid JSON: {exc}", exc.field

@@ -78,7 +78,7 @@ def read_header(path: Path) -> Header:
         (length,) = struct.unpack("<Q", prefix)
         if length > min(MAX_HEADER_BYTES, size - 8):
             raise ValueError(f"header length {length} does not fit the file")
-        header = strict_json.loads(handle.read(length), unique_keys=True)
+        header = strict_json.loads(handle.read(length))
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     metadata = header.pop("__metadata__", None)
