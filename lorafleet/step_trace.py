@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -141,16 +142,14 @@ def shape(steps: list[Step], started: float) -> Shape | None:
     summed up; ``None`` for a run without steps."""
     if not steps:
         return None
-    batches = sorted(step.scheduled for step in steps)
-    widest = batches[-1]
+    batches = [step.scheduled for step in steps]
+    widest = max(batches)
     peak = max(step.running for step in steps)
     half = next(step.at for step in steps if 2 * step.running >= peak)
-    middle = len(batches) // 2
-    median = batches[middle] if len(batches) % 2 else (batches[middle - 1] + batches[middle]) / 2
     return Shape(
         steps=len(steps),
-        mean_batch=sum(batches) / len(batches),
-        median_batch=float(median),
+        mean_batch=statistics.fmean(batches),
+        median_batch=float(statistics.median(batches)),
         thin_steps=sum(1 for batch in batches if 8 * batch <= widest),
         first_step_ms=(steps[0].at - started) * 1000,
         to_half_ms=(half - started) * 1000,
