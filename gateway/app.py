@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from redis.asyncio import Redis
 
 from contracts.redis_policy import async_client, async_options
-from contracts.telemetry import SENTRY_OPTIONS
+from contracts.telemetry import sentry_options
 from gateway.batches import Batches
 from gateway.body_limit import BodyLimit
 from gateway.config import GatewaySettings, get_settings
@@ -36,7 +36,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     if settings.sentry_dsn:
         import sentry_sdk
 
-        sentry_sdk.init(dsn=settings.sentry_dsn, **SENTRY_OPTIONS)
+        sentry_sdk.init(dsn=settings.sentry_dsn, **sentry_options())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -43,7 +43,7 @@ from kombu.transport.redis import Channel as RedisChannel
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from contracts.queues import QUEUE_PREFIX
-from contracts.telemetry import SENTRY_OPTIONS
+from contracts.telemetry import sentry_options
 from worker.config import get_settings
 from worker.runtime import WorkerRuntime
 
@@ -158,7 +158,7 @@ def _start_runtime(**_: Any) -> None:
         if settings.sentry_dsn:
             import sentry_sdk
 
-            sentry_sdk.init(dsn=settings.sentry_dsn, **SENTRY_OPTIONS)
+            sentry_sdk.init(dsn=settings.sentry_dsn, **sentry_options())
         candidate = WorkerRuntime(settings)
     except Exception:
         _leave("worker runtime could not be built")

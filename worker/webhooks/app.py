@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 
 from contracts.queues import DELIVER_WEBHOOK_TASK, WEBHOOKS_QUEUE
 from contracts.redis_policy import sync_client
-from contracts.telemetry import SENTRY_OPTIONS
+from contracts.telemetry import sentry_options
 from worker.background import Background
 from worker.job_store import JobStore
 from worker.sweeper import DeadlineSweeper
@@ -53,7 +53,7 @@ app.conf.update(
 if settings.sentry_dsn:
     import sentry_sdk
 
-    sentry_sdk.init(dsn=settings.sentry_dsn, **SENTRY_OPTIONS)
+    sentry_sdk.init(dsn=settings.sentry_dsn, **sentry_options())
 
 redis = sync_client(
     settings.redis_url, settings.redis_max_connections, decode_responses=True, socket_timeout=10
