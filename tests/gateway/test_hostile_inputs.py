@@ -609,6 +609,40 @@ def test_a_request_head_past_16_kib_is_431_and_closed_before_it_is_read_whole(
     assert answer.startswith(b"HTTP/1.1 4"), answer[:300]
 
 
+def test_a_head_refused_while_a_pipelined_response_streams_is_answered_after_it(
+    http: httpx.Client, published: dict[str, AdapterRecord]
+) -> None:
+    """A client that pipelines a second request behind a streamed completion, the second's
+    head past ``MAX_HEAD_BYTES``: the 431 is written once the stream before it has ended
+    (its last chunk and ``[DONE]``), never into it, and then the connection closes. (No
+    worker runs the job here: the stream ends with the completion's bound, 0.2 s.)"""
+    body = json.dumps(
+        {"model": _cold(published), "prompt": "hi", "max_tokens": 4, "stream": True}
+    ).encode()
+    streamed = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: {http.headers['Authorization']}\r\n".encode()
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    oversized = (
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Padding: "
+        + b"a" * (4 * MAX_HEAD_BYTES)
+        + b"\r\n\r\n"
+    )
+    answer, closed = _exchange(str(http.base_url), streamed + oversized)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    assert b"text/event-stream" in answer.partition(b"\r\n\r\n")[0].lower(), answer[:300]
+    refused_at = answer.find(b"HTTP/1.1 431 Request Header Fields Too Large")
+    assert refused_at > 0, answer[-600:]
+    stream = answer[:refused_at]
+    assert b"data: [DONE]" in stream, stream[-600:]
+    assert stream.endswith(b"0\r\n\r\n"), stream[-200:]  # the stream's last chunk, then the 431
+    error = json.loads(answer[refused_at:].partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "headers_too_large", error
+    assert closed
+
+
 def _response(conn: socket.socket) -> bytes:
     """One whole response (head and ``Content-Length`` body) read from ``conn``."""
     data = b""
