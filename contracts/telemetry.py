@@ -17,22 +17,50 @@ as log parameters (which become ``logentry.params``, ``extra`` and breadcrumb ``
 any prompt or output field."""
 
 
+CREDENTIAL_KEYS = frozenset(
+    {
+        # sentry-sdk 2.x's own event scrubber's lists (``sentry_sdk.scrubber``), which it
+        # applies only without ``data_collection``; 3.x has none.
+        "password", "passwd", "secret", "api_key", "apikey", "auth", "credentials",
+        "mysql_pwd", "privatekey", "private_key", "token", "session", "csrftoken",
+        "sessionid", "x_csrftoken", "set_cookie", "cookie", "authorization",
+        "proxy_authorization", "x_api_key", "aiohttp_session", "connect.sid", "csrf_token",
+        "csrf", "_csrf", "_csrf_token", "phpsessid", "_session", "symfony", "user_session",
+        "_xsrf", "xsrf_token", "x_forwarded_for", "x_real_ip", "ip_address", "remote_addr",
+        # lorafleet's own: tenant keys, signing secrets.
+        "api_keys", "tenant_key", "webhook_secret", "signing_secret",
+    }
+)  # fmt: skip
+"""Keys (lower case, ``-`` read as ``_``) whose values are replaced wherever they appear in an
+event, as sentry-sdk 2.x's event scrubber did: with ``data_collection`` (2.76) it is off, and
+3.x has none."""
+
+
+def _sensitive(key: object) -> bool:
+    if not isinstance(key, str):
+        return False
+    return key in SENSITIVE_KEYS or key.lower().replace("-", "_") in CREDENTIAL_KEYS
+
+
 def _scrub(value: Any) -> Any:
     if isinstance(value, dict):
-        return {
-            key: SCRUBBED if key in SENSITIVE_KEYS else _scrub(item) for key, item in value.items()
-        }
+        return {key: SCRUBBED if _sensitive(key) else _scrub(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
         return [_scrub(item) for item in value]
     return value
 
 
 def scrub_event(event: dict[str, Any], _hint: dict[str, Any]) -> dict[str, Any]:
-    """``before_send`` hook: drop request bodies, task arguments, prompts and outputs."""
+    """``before_send`` hook: drop request bodies, task arguments, prompts and outputs, and
+    values under credential-like keys."""
     request = event.get("request")
-    if isinstance(request, dict) and "data" in request:
-        request["data"] = SCRUBBED
-    for section in ("extra", "logentry", "breadcrumbs", "contexts"):
+    if isinstance(request, dict):
+        if "data" in request:
+            request["data"] = SCRUBBED
+        for part in ("headers", "cookies", "env"):
+            if part in request:
+                request[part] = _scrub(request[part])
+    for section in ("extra", "logentry", "breadcrumbs", "contexts", "user"):
         if section in event:
             event[section] = _scrub(event[section])
     return event
@@ -55,27 +83,35 @@ SENTRY_DATA_COLLECTION: dict[str, Any] = {
     "http_bodies": [],
     "url_query_params": {"mode": "off"},
     "gen_ai": {"inputs": False, "outputs": False},
+    "mcp": {"inputs": False, "outputs": False},
+    "graphql": {"document": False, "variables": False},
     # Celery's integration copies a task's arguments (the job message, its prompt) into events.
     "queues": False,
     "database_query_data": False,
     # Local variables of a failing frame can hold the prompt or the generated text.
     "stack_frame_variables": False,
 }
-"""An SDK with ``data_collection`` (2.76, 3.x) collects most categories unless told
-otherwise (3.x removed ``send_default_pii`` and ``include_local_variables``: passing either is
-a ``TypeError``), so every category that could carry a prompt, an output, a caller's identity
-or a credential is off."""
+"""An SDK with ``data_collection`` (2.76, 3.x) collects every category it is not told about
+(3.x removed ``send_default_pii`` and ``include_local_variables``: passing either is a
+``TypeError``), so each category that could carry a prompt, an output, a caller's identity or
+a credential is off."""
+
+
+def _never_sampled(_context: dict[str, Any]) -> float:
+    return 0.0
 
 
 def sentry_options() -> dict[str, Any]:
     """Keyword arguments for ``sentry_sdk.init`` (besides the DSN), for the installed SDK.
 
-    The same policy on every SDK: nothing a caller sent or the engine generated leaves, and
-    error logs (``ERROR`` and above) become events. An SDK that knows ``data_collection``
-    (2.76 does) is told with it (``send_default_pii`` is deprecated there, gone in 3.x);
-    3.x no longer turns error logs into events unless told, and sends every ``INFO`` log as a
-    Sentry log (which ``before_send`` does not see): its logging integration is set to do
-    what 2.x's did by default.
+    The same policy on every SDK: errors only (no transactions, spans or Sentry logs), nothing
+    a caller sent or the engine generated, and error logs (``ERROR`` and above) become events.
+    An SDK that knows ``data_collection`` (2.76 does) is told with it (``send_default_pii`` is
+    deprecated there, gone in 3.x). 3.x changed three defaults this policy relies on: it has
+    no logging integration unless given one (error logs would not become events), it follows
+    an incoming trace's sampling decision even with tracing off (a caller's ``sentry-trace:
+    ...-1`` header would make the gateway send spans, which ``before_send`` does not see), and
+    it attaches the current stack to error-log events.
     """
     import inspect
     import logging
@@ -98,4 +134,7 @@ def sentry_options() -> dict[str, Any]:
             level=None, event_level=logging.ERROR, breadcrumb_level=logging.INFO
         )
         options["integrations"] = [events_from_error_logs]
+        # A sampler decides over an incoming trace's flag; a sample rate of 0 does not.
+        options["traces_sampler"] = _never_sampled
+        options["attach_stacktrace"] = False
     return options

@@ -9,6 +9,7 @@ from sentry_sdk.transport import Transport
 from contracts.telemetry import SCRUBBED, scrub_event, sentry_options
 
 SECRET = "secret invoice text 7f3a"
+CREDENTIAL = "lf_sk_0123456789abcdef"
 
 
 def test_request_bodies_and_task_arguments_never_leave() -> None:
@@ -48,41 +49,98 @@ def _fails_with_the_prompt_in_a_local(prompt: str) -> None:
     raise RuntimeError(f"engine refused a request of {len(generated)} characters")
 
 
-def test_sentry_options_send_no_prompt_body_locals_or_info_logs_on_the_installed_sdk() -> None:
+def _sentry_major() -> int:
+    return int(sentry_sdk.VERSION.split(".")[0])
+
+
+def _sampled_span(name: str) -> None:
+    """A span under an incoming trace whose caller sampled it (``sentry-trace: ...-1``), as
+    the gateway's ASGI integration starts one for a request carrying the header."""
+    headers = {"sentry-trace": f"{'a' * 32}-{'b' * 16}-1"}
+    if _sentry_major() >= 3:
+        sentry_sdk.continue_trace(headers)
+        with sentry_sdk.start_span(name=name):  # type: ignore[call-arg,unused-ignore]
+            pass
+        return
+    transaction = sentry_sdk.continue_trace(headers, op="http.server", name=name)
+    with sentry_sdk.start_transaction(transaction):
+        pass
+
+
+def test_sentry_options_send_only_scrubbed_error_events_on_the_installed_sdk() -> None:
     # A real client with the options, as ``sentry_sdk.init`` builds one (an unknown option is
     # a TypeError there; sentry-sdk 3 removed two that 2 had): CI installs the newest allowed
-    # SDK, and this checks whichever is installed.
+    # SDK, and this checks whichever is installed. Only the default integrations (logging
+    # among them): the auto-enabled ones patch Celery, redis, Starlette... for the rest of
+    # the test process.
     transport = _Recorded()
     client = sentry_sdk.Client(
-        dsn="https://key@sentry.invalid/1", transport=transport, **sentry_options()
+        dsn="https://key@sentry.invalid/1",
+        transport=transport,
+        auto_enabling_integrations=False,
+        release="test",
+        **sentry_options(),
     )
+    if "data_collection" in client.options:  # as the SDK resolved it (a key it ignores is "on")
+        collected = client.options["data_collection"]
+        assert collected["user_info"] is False
+        assert collected["http_bodies"] == []
+        for category in (collected["cookies"], collected["url_query_params"]):
+            assert category["mode"] == "off"
+        assert collected["http_headers"]["request"]["mode"] == "off"
+        for category in ("gen_ai", "mcp", "graphql"):  # 2.76 knows no "mcp"
+            assert not any(collected.get(category, {}).values()), collected[category]
+        assert collected["queues"] is False  # Celery's task arguments: the job's prompt
+        assert collected["database_query_data"] is False
+        assert collected["stack_frame_variables"] is False
     log = logging.getLogger("lorafleet.telemetry-test")
     log.setLevel(logging.INFO)
     try:
         with sentry_sdk.isolation_scope() as scope:
             scope.set_client(client)
             log.info("job %s started", "j-info")
-            log.error("job %s could not be stored", "j-error")
+            log.error("job %s could not be stored", "j-error", extra={"Authorization": CREDENTIAL})
             try:
                 _fails_with_the_prompt_in_a_local(SECRET)
             except RuntimeError as exc:
                 sentry_sdk.capture_exception(exc)
+            _sampled_span("POST /v1/completions")
             client.flush(timeout=5)
     finally:
         client.close()
     items = [item for envelope in transport.envelopes for item in envelope.items]
     sent = b"".join(item.get_bytes() for item in items)
-    assert SECRET.encode() not in sent and SECRET.upper().encode() not in sent
-    events = [item.payload.json for item in items if item.type == "event"]
+    for secret in (SECRET, SECRET.upper(), CREDENTIAL):
+        assert secret.encode() not in sent
+    # Errors only: no transaction or span (a caller's sampled trace header must not start
+    # one: 3.x follows it even with tracing off), no Sentry log (INFO logs unscrubbed).
+    assert {item.type for item in items} == {"event"}, [item.type for item in items]
+    events = [item.payload.json for item in items]
     # 2.x turned error logs into events by default; 3.x does only when told (as here).
-    assert any("j-error" in repr(event.get("logentry")) for event in events), events
+    logged = [event for event in events if "j-error" in repr(event.get("logentry"))]
+    assert logged, events
+    assert "threads" not in logged[0] and "stacktrace" not in repr(logged[0])
     assert not any("j-info" in repr(event.get("logentry")) for event in events)
-    # 3.x ships every INFO log as a Sentry log, unseen by ``before_send``: none here.
-    assert b"j-info" not in b"".join(item.get_bytes() for item in items if item.type != "event")
     crashed = [event for event in events if event.get("exception")]
     assert crashed, events
     frames = crashed[0]["exception"]["values"][-1]["stacktrace"]["frames"]
     assert frames and all("vars" not in frame for frame in frames)
+
+
+def test_credential_keys_are_scrubbed_wherever_they_appear() -> None:
+    """sentry-sdk 2.x's own scrubber removed these; with ``data_collection`` it is off (2.76),
+    and 3.x has none: ``scrub_event`` does it on every SDK."""
+    event = {
+        "request": {"headers": {"Authorization": CREDENTIAL, "Accept": "application/json"}},
+        "extra": {"api_key": CREDENTIAL, "job_id": "j1"},
+        "breadcrumbs": {"values": [{"data": {"X-Forwarded-For": "203.0.113.9"}}]},
+        "contexts": {"webhook": {"signing_secret": CREDENTIAL}},
+        "user": {"ip_address": "203.0.113.9"},
+    }
+    scrubbed = scrub_event(event, {})
+    assert CREDENTIAL not in repr(scrubbed) and "203.0.113.9" not in repr(scrubbed)
+    assert scrubbed["request"]["headers"]["Accept"] == "application/json"
+    assert scrubbed["extra"]["job_id"] == "j1"
 
 
 def test_celery_failure_logs_lose_their_task_arguments() -> None:
