@@ -609,6 +609,20 @@ def test_a_request_head_past_16_kib_is_431_and_closed_before_it_is_read_whole(
     assert answer.startswith(b"HTTP/1.1 4"), answer[:300]
 
 
+def test_a_head_past_16_kib_that_arrives_in_one_read_is_431_too(http: httpx.Client) -> None:
+    """The bound is on the head, not on how the network cut it: a head of 32 KiB whose bytes
+    all reach the gateway in one read (one write on a local connection) is refused as one
+    trickled in pieces is, and the request is never run."""
+    url = str(http.base_url)
+    padding = b"X-Padding: " + b"a" * (2 * MAX_HEAD_BYTES) + b"\r\n"
+    answer, closed = _exchange(url, b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + padding + b"\r\n")
+    status, _, rest = answer.partition(b"\r\n")
+    assert status == b"HTTP/1.1 431 Request Header Fields Too Large", answer[:300]
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "headers_too_large", error
+    assert closed
+
+
 def test_a_head_refused_while_a_pipelined_response_streams_is_answered_after_it(
     http: httpx.Client, published: dict[str, AdapterRecord]
 ) -> None:
