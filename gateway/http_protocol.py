@@ -6,7 +6,9 @@ head over 16 KiB). A client without a key could make the gateway hold megabytes 
 before any route or middleware runs. This protocol counts the bytes a request's head takes as
 they arrive and, once they pass ``MAX_HEAD_BYTES``, answers 431 ``headers_too_large`` and
 closes the connection; the parser has then buffered at most that plus one read. A body does not
-count: the count stops when the head is complete and starts again with the next request.
+count: the count stops when the head is complete and starts again with the next request. A head
+that arrives whole within one read (so never left incomplete to be counted) is measured as the
+parser hands it over (its request target and headers) and refused the same, never run.
 
 The close lingers, as nginx's does: the answer is followed by the end of the gateway's side
 (the client reads it, then the end), and what the client still sends is read and dropped for
@@ -110,6 +112,7 @@ class BoundedHttpTools(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._in_head = False
         self._head_bytes = 0
+        self._parsed_head = 0  # the head's request target and headers, as the parser gave them
         self._refused = False  # from then on, what the client sends is dropped unread
         self._answer_due: bytes | None = None  # a refusal held until the responses are sent
         self._lingering: asyncio.TimerHandle | None = None
@@ -126,16 +129,44 @@ class BoundedHttpTools(HttpToolsProtocol):
         super().on_message_begin()
         self._in_head = True
         self._head_bytes = 0
+        self._parsed_head = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._parsed_head += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._parsed_head += len(name) + len(value) + 4  # ": " and the line's end
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._stop_timer()
+        if self._refused:
+            return  # a request pipelined behind a refused one, in the same read: never run
+        # A head that came whole within one read was never counted by ``data_received``
+        # (which sees only heads still incomplete after a read): its parsed size decides.
+        line = len(self.parser.get_method()) + len(b"  HTTP/1.1\r\n\r\n")
+        if self._parsed_head + line > MAX_HEAD_BYTES:
+            log.warning("request head over %d bytes refused", MAX_HEAD_BYTES)
+            self._refuse(_TOO_LARGE)
+            return
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:  # else the body of a refused request: dropped
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._refused:
+            super().on_message_complete()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # dropped until the client closes, LINGER_S passed, or the responses end
         super().data_received(data)
+        if self._refused:
+            return  # refused while this read was parsed (a head whole in it, too large)
         if self.transport.is_closing() or self.transport.get_protocol() is not self:
             return  # closed, or upgraded (handed to another protocol)
         if not self._timing_head and self._between_requests():

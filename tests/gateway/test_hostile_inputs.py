@@ -180,8 +180,9 @@ def test_a_long_value_a_caller_sent_is_quoted_cut_in_the_error_message(
             422,
         ),
         (http.post("/v1/files", files={"file": ("a.jsonl", b"{}")}, data={"purpose": long}), 422),
-        (http.get("/v1/" + "y" * 20_000), 404),
-        (http.get("/v1/models/" + "m" * 20_000), 404),
+        # Paths long but inside the head's bound (16 KiB): past it the head is refused, 431.
+        (http.get("/v1/" + "y" * 12_000), 404),
+        (http.get("/v1/models/" + "m" * 12_000), 404),
         (http.post("/v1/jobs", json={"adapter": "a", "prompt": "hi", long: 1}), 422),
     ]
     for response, status in refusals:
@@ -624,18 +625,21 @@ def test_a_head_past_16_kib_that_arrives_in_one_read_is_431_too(http: httpx.Clie
 
 
 def test_a_head_refused_while_a_pipelined_response_streams_is_answered_after_it(
-    http: httpx.Client, published: dict[str, AdapterRecord]
+    private_gateway: Callable[..., Any],
+    tenant_key: Callable[..., str],
+    published: dict[str, AdapterRecord],
 ) -> None:
     """A client that pipelines a second request behind a streamed completion, the second's
     head past ``MAX_HEAD_BYTES``: the 431 is written once the stream before it has ended
-    (its last chunk and ``[DONE]``), never into it, and then the connection closes. (No
-    worker runs the job here: the stream ends with the completion's bound, 0.2 s.)"""
+    (its last chunk and ``[DONE]``), never into it, and then the connection closes. The
+    second head is sent once the stream's head has arrived and before it ends (no worker runs
+    the job: the stream ends with the completion's bound, 2 s)."""
     body = json.dumps(
         {"model": _cold(published), "prompt": "hi", "max_tokens": 4, "stream": True}
     ).encode()
     streamed = (
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: {http.headers['Authorization']}\r\n".encode()
+        + f"Authorization: {auth_headers(tenant_key('acme'))['Authorization']}\r\n".encode()
         + f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
@@ -644,9 +648,21 @@ def test_a_head_refused_while_a_pipelined_response_streams_is_answered_after_it(
         + b"a" * (4 * MAX_HEAD_BYTES)
         + b"\r\n\r\n"
     )
-    answer, closed = _exchange(str(http.base_url), streamed + oversized)
-    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
-    assert b"text/event-stream" in answer.partition(b"\r\n\r\n")[0].lower(), answer[:300]
+    with private_gateway(completion_timeout_s=2.0) as url:
+        address = (httpx.URL(url).host, httpx.URL(url).port)
+        with socket.create_connection(address, timeout=10) as conn:
+            conn.sendall(streamed)
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                chunk = conn.recv(65536)
+                assert chunk, answer
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+            assert b"text/event-stream" in answer.partition(b"\r\n\r\n")[0].lower(), answer
+            assert b"[DONE]" not in answer  # still streaming: the next head arrives in flight
+            conn.sendall(oversized)
+            rest, closed = _read_until_closed(conn)
+    answer += rest
     refused_at = answer.find(b"HTTP/1.1 431 Request Header Fields Too Large")
     assert refused_at > 0, answer[-600:]
     stream = answer[:refused_at]
