@@ -31,9 +31,10 @@ CREDENTIAL_KEYS = frozenset(
         "api_keys", "tenant_key", "webhook_secret", "signing_secret",
     }
 )  # fmt: skip
-"""Keys (lower case, ``-`` read as ``_``) whose values are replaced wherever they appear in an
-event, as sentry-sdk 2.x's event scrubber did: with ``data_collection`` (2.76) it is off, and
-3.x has none."""
+"""Keys (lower case, ``-`` read as ``_``, matched whole) whose values are replaced in an event's
+request headers, cookies and environment, ``extra``, log parameters, breadcrumbs and contexts,
+and dropped from its user, as sentry-sdk 2.x's event scrubber did: with ``data_collection``
+(2.76) it is off, and 3.x has none. Frame variables are never sent (``data_collection``)."""
 
 
 def _sensitive(key: object) -> bool:
@@ -52,7 +53,7 @@ def _scrub(value: Any) -> Any:
 
 def scrub_event(event: dict[str, Any], _hint: dict[str, Any]) -> dict[str, Any]:
     """``before_send`` hook: drop request bodies, task arguments, prompts and outputs, and
-    values under credential-like keys."""
+    values under credential-like keys (``CREDENTIAL_KEYS``)."""
     request = event.get("request")
     if isinstance(request, dict):
         if "data" in request:
@@ -60,13 +61,28 @@ def scrub_event(event: dict[str, Any], _hint: dict[str, Any]) -> dict[str, Any]:
         for part in ("headers", "cookies", "env"):
             if part in request:
                 request[part] = _scrub(request[part])
-    for section in ("extra", "logentry", "breadcrumbs", "contexts", "user"):
+    for section in ("extra", "logentry", "breadcrumbs", "contexts"):
         if section in event:
             event[section] = _scrub(event[section])
+    user = event.get("user")
+    if isinstance(user, dict):  # dropped, not replaced: "[scrubbed]" is no IP address
+        event["user"] = {key: value for key, value in _scrub(user).items() if value != SCRUBBED}
     return event
 
 
+ERRORS_ONLY: dict[str, Any] = {
+    # Nothing but error events: no release-health sessions, no client reports, and no
+    # ``sentry-trace``/``baggage`` headers on the process's own requests (by default every
+    # outgoing request carries them: a tenant's webhook URL would receive the DSN's public
+    # key, the release and the trace).
+    "auto_session_tracking": False,
+    "send_client_reports": False,
+    "trace_propagation_targets": [],
+}
+"""Options of every sentry-sdk from 2.0 on."""
+
 SENTRY_2_OPTIONS: dict[str, Any] = {
+    **ERRORS_ONLY,
     "send_default_pii": False,
     "max_request_body_size": "never",
     # Local variables of a failing frame can hold the prompt or the generated text.
@@ -104,8 +120,9 @@ def _never_sampled(_context: dict[str, Any]) -> float:
 def sentry_options() -> dict[str, Any]:
     """Keyword arguments for ``sentry_sdk.init`` (besides the DSN), for the installed SDK.
 
-    The same policy on every SDK: errors only (no transactions, spans or Sentry logs), nothing
-    a caller sent or the engine generated, and error logs (``ERROR`` and above) become events.
+    The same policy on every SDK: error events only (no transactions, spans, Sentry logs,
+    sessions or client reports, and no trace headers on outgoing requests), nothing a caller
+    sent or the engine generated, and error logs (``ERROR`` and above) become events.
     An SDK that knows ``data_collection`` (2.76 does) is told with it (``send_default_pii`` is
     deprecated there, gone in 3.x). 3.x changed three defaults this policy relies on: it has
     no logging integration unless given one (error logs would not become events), it follows
@@ -122,6 +139,7 @@ def sentry_options() -> dict[str, Any]:
     if "data_collection" not in inspect.signature(ClientConstructor.__init__).parameters:
         return dict(SENTRY_2_OPTIONS)
     options: dict[str, Any] = {
+        **ERRORS_ONLY,
         "data_collection": SENTRY_DATA_COLLECTION,
         "max_request_body_size": "never",
         "before_send": scrub_event,

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
 import sentry_sdk
+from sentry_sdk.consts import ClientConstructor
 from sentry_sdk.transport import Transport
 
 from contracts.telemetry import SCRUBBED, scrub_event, sentry_options
@@ -70,9 +72,9 @@ def _sampled_span(name: str) -> None:
 def test_sentry_options_send_only_scrubbed_error_events_on_the_installed_sdk() -> None:
     # A real client with the options, as ``sentry_sdk.init`` builds one (an unknown option is
     # a TypeError there; sentry-sdk 3 removed two that 2 had): CI installs the newest allowed
-    # SDK, and this checks whichever is installed. Only the default integrations (logging
-    # among them): the auto-enabled ones patch Celery, redis, Starlette... for the rest of
-    # the test process.
+    # SDK, and this checks whichever is installed. Without the auto-enabled integrations
+    # (Celery, redis, Starlette...); the default ones (stdlib, threading, excepthook; logging
+    # on 2.x) still patch the process, inert once no client is bound.
     transport = _Recorded()
     client = sentry_sdk.Client(
         dsn="https://key@sentry.invalid/1",
@@ -81,8 +83,17 @@ def test_sentry_options_send_only_scrubbed_error_events_on_the_installed_sdk() -
         release="test",
         **sentry_options(),
     )
-    if "data_collection" in client.options:  # as the SDK resolved it (a key it ignores is "on")
+    for option, value in (
+        ("auto_session_tracking", False),
+        ("send_client_reports", False),
+        ("trace_propagation_targets", []),
+    ):
+        assert client.options[option] == value, option
+    knows = "data_collection" in inspect.signature(ClientConstructor.__init__).parameters
+    assert knows or _sentry_major() < 3
+    if knows:  # as the SDK resolved it (a key it does not know would be collected)
         collected = client.options["data_collection"]
+        assert _sentry_major() < 3 or "mcp" in collected
         assert collected["user_info"] is False
         assert collected["http_bodies"] == []
         for category in (collected["cookies"], collected["url_query_params"]):
@@ -135,10 +146,11 @@ def test_credential_keys_are_scrubbed_wherever_they_appear() -> None:
         "extra": {"api_key": CREDENTIAL, "job_id": "j1"},
         "breadcrumbs": {"values": [{"data": {"X-Forwarded-For": "203.0.113.9"}}]},
         "contexts": {"webhook": {"signing_secret": CREDENTIAL}},
-        "user": {"ip_address": "203.0.113.9"},
+        "user": {"ip_address": "203.0.113.9", "id": "acme"},
     }
     scrubbed = scrub_event(event, {})
     assert CREDENTIAL not in repr(scrubbed) and "203.0.113.9" not in repr(scrubbed)
+    assert scrubbed["user"] == {"id": "acme"}  # dropped: "[scrubbed]" is no IP address
     assert scrubbed["request"]["headers"]["Accept"] == "application/json"
     assert scrubbed["extra"]["job_id"] == "j1"
 
