@@ -66,6 +66,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -564,6 +565,7 @@ def trace_report(
     """The traced steps of every run (``--step-trace``): a table per scenario and a plot of
     the requests running over time; the shapes as JSON-ready data."""
     shapes: dict[str, dict[str, list[dict[str, Any] | None]]] = {}
+    traced = step_trace.read(directory, -math.inf, math.inf)  # every run's window of it below
     for scenario, by_server in runs.items():
         table = Table(title=f"{scenario}: the engine's steps, traced (lorafleet.step_trace)")
         for column in ("server", "round", "steps", "requests / step, mean", "median",
@@ -572,7 +574,7 @@ def trace_report(
         timelines = []
         for server, measured in by_server.items():
             for round_, m in enumerate(measured, 1):
-                steps = step_trace.read(directory, m.started, m.ended)
+                steps = step_trace.within(traced, m.started, m.ended)
                 found = step_trace.shape(steps, m.started)
                 shapes.setdefault(scenario, {}).setdefault(server, []).append(
                     None if found is None else asdict(found)

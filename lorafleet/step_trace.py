@@ -159,7 +159,13 @@ def shape(steps: list[Step], started: float) -> Shape | None:
 def read(directory: Path, start: float, end: float) -> list[Step]:
     """Every step traced in ``directory`` from ``start`` to ``end`` (``time.time()``), in
     time order, whichever engine core wrote it."""
-    return sorted((step for step in _all(directory) if start <= step.at <= end), key=lambda s: s.at)
+    return within(sorted(_all(directory), key=lambda s: s.at), start, end)
+
+
+def within(steps: list[Step], start: float, end: float) -> list[Step]:
+    """The steps of ``steps`` from ``start`` to ``end``, in their order (many windows of one
+    ``read``: the files are read once)."""
+    return [step for step in steps if start <= step.at <= end]
 
 
 def _all(directory: Path) -> Iterator[Step]:
