@@ -70,7 +70,7 @@ def scrub_event(event: dict[str, Any], _hint: dict[str, Any]) -> dict[str, Any]:
     return event
 
 
-ERRORS_ONLY: dict[str, Any] = {
+EVERY_SDK: dict[str, Any] = {
     # Nothing but error events: no release-health sessions, no client reports, and no
     # ``sentry-trace``/``baggage`` headers on the process's own requests (by default every
     # outgoing request carries them: a tenant's webhook URL would receive the DSN's public
@@ -78,16 +78,16 @@ ERRORS_ONLY: dict[str, Any] = {
     "auto_session_tracking": False,
     "send_client_reports": False,
     "trace_propagation_targets": [],
+    "max_request_body_size": "never",
+    "before_send": scrub_event,
 }
 """Options of every sentry-sdk from 2.0 on."""
 
 SENTRY_2_OPTIONS: dict[str, Any] = {
-    **ERRORS_ONLY,
+    **EVERY_SDK,
     "send_default_pii": False,
-    "max_request_body_size": "never",
     # Local variables of a failing frame can hold the prompt or the generated text.
     "include_local_variables": False,
-    "before_send": scrub_event,
 }
 """sentry-sdk 2.x without ``data_collection`` (2.40 has none, 2.76 has it): no user data,
 request bodies or local variables."""
@@ -130,19 +130,19 @@ def sentry_options() -> dict[str, Any]:
     ...-1`` header would make the gateway send spans, which ``before_send`` does not see), and
     it attaches the current stack to error-log events.
     """
+    import copy
     import inspect
     import logging
 
     import sentry_sdk
     from sentry_sdk.consts import ClientConstructor
 
+    # Copies: the module's lists and dicts stay as written whatever an SDK does with its options.
     if "data_collection" not in inspect.signature(ClientConstructor.__init__).parameters:
-        return dict(SENTRY_2_OPTIONS)
+        return copy.deepcopy(SENTRY_2_OPTIONS)
     options: dict[str, Any] = {
-        **ERRORS_ONLY,
-        "data_collection": SENTRY_DATA_COLLECTION,
-        "max_request_body_size": "never",
-        "before_send": scrub_event,
+        **copy.deepcopy(EVERY_SDK),
+        "data_collection": copy.deepcopy(SENTRY_DATA_COLLECTION),
     }
     if int(sentry_sdk.VERSION.split(".")[0]) >= 3:
         from sentry_sdk.integrations.logging import LoggingIntegration
