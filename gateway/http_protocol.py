@@ -148,8 +148,7 @@ class BoundedHttpTools(HttpToolsProtocol):
         # (which sees only heads still incomplete after a read): its parsed size decides.
         line = len(self.parser.get_method()) + len(b"  HTTP/1.1\r\n\r\n")
         if self._parsed_head + line > MAX_HEAD_BYTES:
-            log.warning("request head over %d bytes refused", MAX_HEAD_BYTES)
-            self._refuse(_TOO_LARGE)
+            self._refuse_too_large()
             return
         super().on_headers_complete()
 
@@ -181,8 +180,7 @@ class BoundedHttpTools(HttpToolsProtocol):
         # request after the end of the last one counts whole, at most one read too many).
         self._head_bytes += len(data)
         if self._head_bytes > MAX_HEAD_BYTES:
-            log.warning("request head over %d bytes refused", MAX_HEAD_BYTES)
-            self._refuse(_TOO_LARGE)
+            self._refuse_too_large()
 
     def _between_requests(self) -> bool:
         """No response is being sent or waits its turn: what arrives now is a next head."""
@@ -200,6 +198,10 @@ class BoundedHttpTools(HttpToolsProtocol):
             return
         log.warning("request head not whole within %g s refused", self._head_timeout_s)
         self._refuse(_late(self._head_timeout_s))
+
+    def _refuse_too_large(self) -> None:
+        log.warning("request head over %d bytes refused", MAX_HEAD_BYTES)
+        self._refuse(_TOO_LARGE)
 
     def _refuse(self, answer: bytes) -> None:
         """Refuse the head being read: what the client sends from now on is dropped, and

@@ -652,11 +652,7 @@ def test_a_head_refused_while_a_pipelined_response_streams_is_answered_after_it(
         address = (httpx.URL(url).host, httpx.URL(url).port)
         with socket.create_connection(address, timeout=10) as conn:
             conn.sendall(streamed)
-            answer = b""
-            while b"\r\n\r\n" not in answer:
-                chunk = conn.recv(65536)
-                assert chunk, answer
-                answer += chunk
+            answer = _head(conn)
             assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
             assert b"text/event-stream" in answer.partition(b"\r\n\r\n")[0].lower(), answer
             assert b"[DONE]" not in answer  # still streaming: the next head arrives in flight
@@ -673,14 +669,19 @@ def test_a_head_refused_while_a_pipelined_response_streams_is_answered_after_it(
     assert closed
 
 
-def _response(conn: socket.socket) -> bytes:
-    """One whole response (head and ``Content-Length`` body) read from ``conn``."""
+def _head(conn: socket.socket) -> bytes:
+    """What ``conn`` gives until a response's head has ended (and whatever came with it)."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = conn.recv(65536)
         assert chunk, data
         data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
+    return data
+
+
+def _response(conn: socket.socket) -> bytes:
+    """One whole response (head and ``Content-Length`` body) read from ``conn``."""
+    head, _, body = _head(conn).partition(b"\r\n\r\n")
     length = next(
         int(line.split(b":", 1)[1])
         for line in head.split(b"\r\n")
@@ -688,7 +689,7 @@ def _response(conn: socket.socket) -> bytes:
     )
     while len(body) < length:
         chunk = conn.recv(65536)
-        assert chunk, data
+        assert chunk, head + body
         body += chunk
     assert len(body) == length, "more than one response"
     return head + b"\r\n\r\n" + body
