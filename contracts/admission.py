@@ -105,6 +105,8 @@ if ARGV[13] == '1' then
   redis.call('XADD', KEYS[8], STREAM_OPENED_ID, STREAM_OPENED, '1')
   redis.call('EXPIRE', KEYS[8], math.min(tonumber(ARGV[9]), STREAM_TTL_S))
 end
+-- Its caller waits on one gateway: the final record is published there (``ADVANCE``).
+if ARGV[14] ~= '' then redis.call('HSET', KEYS[4], 'reply', ARGV[14]) end
 if ARGV[11] ~= '' then redis.call('LPUSH', KEYS[6], ARGV[11]) end
 return {'admitted', '0'}
 """
@@ -177,12 +179,15 @@ def admit_call(
     queue: str | None = None,
     routed: tuple[str, str] | None = None,
     stream: bool = False,
+    reply_to: str | None = None,
 ) -> tuple[list[str], list[str | int | float]]:
     """``(keys, args)`` of ``ADMIT`` for a new ``job`` (its record is written if admitted);
     ``expires_at`` is its deadline + ``LEDGER_GRACE_S``. ``message``, if given, is pushed
     in the same step onto ``queue`` (default: the job's pool queue). ``routed``: ``(worker
     id, message)`` of a job routed to that worker's own queue (``routed_key``). ``stream``:
-    its caller streams, and its stream is opened (``STREAM_OPENED``)."""
+    its caller streams, and its stream is opened (``STREAM_OPENED``). ``reply_to``: the reply
+    channel (``reply_channel``) of the gateway whose caller waits for the job's end; its final
+    record is published there."""
     if message is None:
         queue = NO_KEY
     elif queue is None:
@@ -204,6 +209,7 @@ def admit_call(
         message or "",
         routed[1] if routed else "",
         "1" if stream else "",
+        reply_to or "",
     ]
     return keys, args
 

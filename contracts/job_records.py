@@ -13,14 +13,14 @@ together). Every change but a claim goes through ``ADVANCE``, a compare-and-set 
   terminal), so the next delivery may claim it;
 - when the job becomes terminal, and only then: removes it from the admission ledgers
   (``contracts.admission``) and from the deadline index; creates its webhook event and
-  schedules its first delivery
-  attempt, if it has a webhook; counts it in its batch, and creates the batch's webhook event
-  when it is the batch's last job; appends the end marker (``STREAM_END``, with the record)
-  to its stream if it has one (streaming readers end at once, and need not read the record);
-  publishes its id on ``JOB_EVENTS`` (waiters
-  wake), and on ``JOB_CANCELS`` when it becomes cancelled (the worker running it aborts
-  it). So every effect of a job's outcome happens exactly once, however often the job is
-  delivered.
+  schedules its first delivery attempt, if it has a webhook; counts it in its batch, and
+  creates the batch's webhook event when it is the batch's last job; appends the end marker
+  (``STREAM_END``, with the record) to its stream if it has one (streaming readers end at
+  once, and need not read the record); publishes the record on the reply channel its
+  admission named, if any (``reply``: the gateway whose caller waits for it, which then need
+  not read it: ``reply_job``), then its id on ``JOB_EVENTS`` (waiters wake), and on
+  ``JOB_CANCELS`` when it becomes cancelled (the worker running it aborts it). So every
+  effect of a job's outcome happens exactly once, however often the job is delivered.
 
 A worker starts an attempt with ``CLAIM`` (which counts the attempt and writes only the
 fields beside the record, refused while another attempt holds the job's lease) and keeps its
@@ -69,6 +69,11 @@ end
 """Lua: create a webhook event once and make it due now (used on terminal transitions)."""
 
 _TERMINAL_LUA = " or ".join(f"s == '{status.value}'" for status in sorted(TERMINAL_STATUSES))
+
+REPLY_MAX_BYTES = 65536
+"""The largest record ``ADVANCE`` publishes on a reply channel; a larger one is read back (a
+result over the workers' ``result_offload_bytes``, 16 KiB by default, is kept in the object
+store and its record holds only a reference, so records past this are rare)."""
 
 WITHDRAWN = "withdrawn"
 """The ``status`` of a job key whose admission was withdrawn (``contracts.admission``
@@ -119,9 +124,16 @@ if terminal(ARGV[1]) then
       end
     end
   end
+  local attempts = redis.call('HGET', KEYS[1], 'attempts') or '0'
   if redis.call('EXISTS', KEYS[12]) == 1 then
     redis.call('XADD', KEYS[12], '*', '{STREAM_END}', ARGV[1], 'record', ARGV[2],
-               'attempts', redis.call('HGET', KEYS[1], 'attempts') or '0')
+               'attempts', attempts)
+  end
+  -- Before the id on ``JOB_EVENTS``: the gateway that waits has the record when it wakes.
+  local reply = redis.call('HGET', KEYS[1], 'reply')
+  if reply and #ARGV[2] <= {REPLY_MAX_BYTES} then
+    local nl = '\\n'
+    redis.call('PUBLISH', reply, ARGV[6] .. nl .. attempts .. nl .. ARGV[1] .. nl .. ARGV[2])
   end
   redis.call('PUBLISH', KEYS[2], ARGV[6])
 end
@@ -213,6 +225,16 @@ def job_of(values: Sequence[Any]) -> JobPublic | None:
         update["started_at"] = datetime.fromisoformat(started_at)
         update["worker"] = worker
     return job.model_copy(update=update) if update else job
+
+
+def reply_job(reply: str) -> tuple[str, JobPublic]:
+    """The job id and final record a reply channel's message holds, as ``ADVANCE`` publishes
+    them: ``id``, ``attempts``, ``status`` and the record, one per line (the record's JSON
+    holds no newline)."""
+    job_id, attempts, status, record = reply.split("\n", 3)
+    job = job_of((record, status, attempts, None, None))
+    assert job is not None  # a record was given
+    return job_id, job
 
 
 HOLDS_LUA = f"""

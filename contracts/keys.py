@@ -39,6 +39,14 @@ def job_key(job_id: str) -> str:
 JOB_EVENTS = f"{PREFIX}:job-events"
 """Pub/sub channel: a job id is published each time a job reaches a terminal state."""
 
+
+def reply_channel(gateway_id: str) -> str:
+    """Pub/sub channel of one gateway process: the final record of each job it admitted for a
+    caller who waits for it there (``contracts.job_records.ADVANCE``), so that it need not
+    read the record back."""
+    return f"{PREFIX}:job-replies:{gateway_id}"
+
+
 JOB_CANCELS = f"{PREFIX}:job-cancels"
 """Pub/sub channel: a job id is published when a caller cancels it (workers abort it)."""
 

@@ -130,11 +130,13 @@ class Submitter:
         request: Submission,
         idempotency: Idempotency | None = None,
         job_id: str | None = None,
+        reply_to: str | None = None,
     ) -> Admitted:
         """Admit and enqueue ``request`` for the caller ``access`` authenticated (and resolved
         ``request.adapter`` for), or raise ``ApiError``. ``job_id``: the id the new job takes
         (a caller that watches for the job's end before it exists mints it); a replay under
-        an idempotency key answers the earlier job instead.
+        an idempotency key answers the earlier job instead. ``reply_to``: the channel the new
+        job's final record is published on (``JobWaiter.replies``, where its caller waits).
 
         Redis and the broker get ``request_timeout_s`` in all: past it the answer is 503.
         """
@@ -143,7 +145,12 @@ class Submitter:
                 raise RuntimeError(f"access resolved {access.name!r}, not {request.adapter!r}")
             resolved = access.admissible()
             admitted, reserved = await self._submit(
-                access.tenant, resolved, request, idempotency, job_id or uuid.uuid4().hex
+                access.tenant,
+                resolved,
+                request,
+                idempotency,
+                job_id or uuid.uuid4().hex,
+                reply_to,
             )
         if not admitted.replayed:
             self.metrics.admitted_job(admitted.job.tier, admitted.job.adapter)
@@ -198,6 +205,7 @@ class Submitter:
         request: Submission,
         idempotency: Idempotency | None,
         job_id: str,
+        reply_to: str | None,
     ) -> tuple[Admitted, IdempotencyKeys | None]:
         """The admitted job, and the idempotency reservation to mark done if this request
         made one."""
@@ -218,7 +226,7 @@ class Submitter:
         # the admission's fate is unknown a retry waits for the reservation to lapse rather
         # than admit the job a second time.
         with self.settling([message]):
-            await self._admit(tenant, job, message, keys)
+            await self._admit(tenant, job, message, keys, reply_to)
         return Admitted(job=job, replayed=False), keys
 
     @contextlib.contextmanager
@@ -434,6 +442,7 @@ class Submitter:
         job: JobPublic,
         message: JobMessage,
         idempotency: IdempotencyKeys | None,
+        reply_to: str | None,
     ) -> None:
         """Ledger, record and queue message in one script (a broker of its own gets the
         message next: a failed push withdraws the admission, and so does a lost reply; the
@@ -452,6 +461,7 @@ class Submitter:
                 queue=destination(message),
                 routed=(message.routed.worker, encoded) if message.routed else None,
                 stream=message.stream,
+                reply_to=reply_to,
             )
             verdict = admission.verdict(await self._admit_script(keys=keys, args=args))
             if verdict.refusal is not None:

@@ -5,6 +5,11 @@ for that job. Events published while the subscription is down are lost, so every
 woken to read its record again each time the subscription is (re)established; a waiter
 also reads it every ``recheck_s`` in case the connection died without telling (a half-open
 socket until the health check notices). A lost event costs latency, never correctness.
+
+The same subscription listens on the process's own reply channel (``replies``), on which a job
+admitted for a caller waiting here has its final record published (``reply_to`` of the
+admission, ``contracts.job_records.ADVANCE``) just before its id goes out on the events
+channel: that waiter takes the record from the message instead of reading it back.
 """
 
 from __future__ import annotations
@@ -12,14 +17,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterator
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from contracts.job_records import reply_job
 from contracts.jobs import JobPublic
-from contracts.keys import JOB_EVENTS
+from contracts.keys import JOB_EVENTS, reply_channel
 from gateway import job_store
 from gateway.background import LoopTask
 
@@ -35,19 +42,33 @@ class JobWaiter(LoopTask):
         self._redis = redis
         self.recheck_s = recheck_s
         self._watchers: dict[str, set[Callable[[], None]]] = defaultdict(set)
+        self.replies = reply_channel(uuid.uuid4().hex)
+        """This process's reply channel: name it as the ``reply_to`` of a job whose caller
+        waits here (``wait_watched`` then takes the final record from the channel)."""
+        self._replied: dict[str, str] = {}
+        """Watched job id -> its reply message (parsed by the waiter that takes it)."""
 
     async def run(self) -> None:
         while True:
             try:
                 async with self._redis.pubsub() as pubsub:
-                    await pubsub.subscribe(JOB_EVENTS)
+                    await pubsub.subscribe(JOB_EVENTS, self.replies)
                     async for message in pubsub.listen():
                         kind = message.get("type")
                         if kind == "message":
-                            for notify in list(self._watchers.get(str(message["data"]), ())):
+                            data = str(message["data"])
+                            if message["channel"] == self.replies:
+                                job_id = data.partition("\n")[0]
+                                if job_id not in self._watchers:
+                                    continue
+                                self._replied[job_id] = data
+                            else:
+                                job_id = data
+                            for notify in list(self._watchers.get(job_id, ())):
                                 notify()
-                        elif kind == "subscribe":
-                            # Listening (again): what finished meanwhile published to nobody.
+                        elif kind == "subscribe" and message["channel"] == self.replies:
+                            # Listening (again), to both channels (subscribed in this order):
+                            # what finished meanwhile published to nobody.
                             self._wake_all()
             except (RedisError, OSError) as exc:
                 log.warning("job-events subscription lost (%s); reconnecting", exc)
@@ -69,6 +90,7 @@ class JobWaiter(LoopTask):
             self._watchers[job_id].discard(notify)
             if not self._watchers[job_id]:
                 del self._watchers[job_id]
+                self._replied.pop(job_id, None)
 
     @contextlib.asynccontextmanager
     async def watching(self, job_id: str) -> AsyncIterator[asyncio.Event]:
@@ -103,13 +125,22 @@ class JobWaiter(LoopTask):
         """``wait`` with the caller's own ``notifying`` registration setting ``finished``.
         ``unread``: the caller registered it before the job existed (it admitted the job
         itself), so the job cannot have ended unnoticed and its record is first read when
-        ``finished`` is set (or after ``recheck_s``): one read fewer."""
+        ``finished`` is set (or after ``recheck_s``): one read fewer. A final record that
+        came on ``replies`` is not read at all."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         if unread:
             await self.sleep(finished, timeout_s)
         while True:
-            job = await job_store.get_job(redis, job_id, tenant)
+            job = self._reply(job_id, tenant) or await job_store.get_job(redis, job_id, tenant)
             remaining = deadline - asyncio.get_running_loop().time()
             if job is None or job.status.terminal or remaining <= 0:
                 return job
             await self.sleep(finished, remaining)
+
+    def _reply(self, job_id: str, tenant: str) -> JobPublic | None:
+        """``job_id``'s final record, if it came on ``replies`` (and is ``tenant``'s)."""
+        reply = self._replied.get(job_id)
+        if reply is None:
+            return None
+        job = reply_job(reply)[1]
+        return job if job.tenant == tenant else None

@@ -299,10 +299,14 @@ async def _complete(
             call.idempotency_key, fingerprint(route, body.model_dump(mode="json"))
         )
     # Listening for the job's end from before it exists: no event can be missed, so its
-    # record is read once, when it has ended (a stream's follower checks it itself).
+    # record is read at most once, when it has ended, and not at all when it comes on this
+    # process's reply channel (a stream's follower has it from the stream's end marker).
     job_id, ended = uuid.uuid4().hex, asyncio.Event()
+    reply_to = None if body.stream else call.waiter.replies
     with call.waiter.notifying(job_id, ended.set):
-        admitted = await call.submitter.submit(call.access, submission, idempotency, job_id)
+        admitted = await call.submitter.submit(
+            call.access, submission, idempotency, job_id, reply_to
+        )
         job, created = admitted.job, int(time.time())
         timeout_s = call.settings.completion_timeout_s
         if body.stream:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import time
+import uuid
+from typing import Any
+
 from redis import Redis
 
-from contracts.job_records import ADVANCE, Advance, advance_call
+from contracts import admission
+from contracts.errors import ErrorBody, ErrorCode
+from contracts.job_records import ADVANCE, REPLY_MAX_BYTES, Advance, advance_call, reply_job
 from contracts.jobs import JobPublic, JobStatus
-from contracts.keys import JOB_CANCELS, JOB_EVENTS, job_key
+from contracts.keys import JOB_CANCELS, JOB_EVENTS, job_key, reply_channel
+from tests.contracts.test_admission import LIMITS
 from tests.helpers import new_job
 
 
@@ -99,3 +106,71 @@ def test_a_write_sent_again_after_its_reply_was_lost_is_answered_written(redis: 
     other = back.model_copy(update={"worker": "someone-else"})
     assert _advance(redis, other, expect=1) == Advance.CONFLICT
     assert redis.hget(job_key(job.id), "attempts") == "0"
+
+
+def _admitted(redis: Redis, keys: list[str], args: list[str | int | float]) -> None:
+    reply = redis.register_script(admission.ADMIT)(keys=keys, args=args)
+    assert admission.verdict(reply).refusal is None
+
+
+def _listen(redis: Redis, *channels: str) -> Any:
+    """A subscription to ``channels``, confirmed."""
+    pubsub = redis.pubsub()
+    pubsub.subscribe(*channels)
+    for _ in channels:
+        message = pubsub.get_message(timeout=5)
+        assert message is not None and message["type"] == "subscribe"
+    return pubsub
+
+
+def _published(pubsub: Any, job_id: str) -> list[tuple[str, str]]:
+    """``(channel, data)`` of what came for ``job_id`` within a second, in order (other tests'
+    jobs may end meanwhile on the session's stack)."""
+    came = []
+    for _ in range(10):
+        message = pubsub.get_message(timeout=0.1)
+        if message is None or message["type"] != "message":
+            continue
+        if message["data"].split("\n", 1)[0] == job_id:
+            came.append((message["channel"], message["data"]))
+    return came
+
+
+def test_the_final_record_goes_to_the_reply_channel_the_admission_named(redis: Redis) -> None:
+    """A job admitted for a caller who waits on one gateway: its terminal write publishes the
+    record there (which that gateway parses instead of reading the hash back), before the id
+    goes out to every gateway; earlier writes publish nothing."""
+    job = new_job(tenant=uuid.uuid4().hex)
+    replies = reply_channel("gw-" + job.id)
+    keys, args = admission.admit_call(job, time.time() + 60, LIMITS, 60, reply_to=replies)
+    _admitted(redis, keys, args)
+    assert redis.hget(job_key(job.id), "reply") == replies
+    pubsub = _listen(redis, JOB_EVENTS, replies)
+    running = job.model_copy(update={"status": JobStatus.RUNNING, "attempts": 1})
+    assert _advance(redis, running, expect=0) == Advance.WRITTEN
+    assert _published(pubsub, job.id) == []
+    done = running.model_copy(update={"status": JobStatus.SUCCEEDED, "worker": "w"})
+    assert _advance(redis, done) == Advance.WRITTEN
+    came = _published(pubsub, job.id)
+    assert [channel for channel, _ in came] == [replies, JOB_EVENTS]
+    replied_id, replied = reply_job(came[0][1])
+    assert replied_id == job.id and replied == done
+    assert came[1][1] == job.id
+
+
+def test_a_record_too_large_to_publish_is_only_announced(redis: Redis) -> None:
+    """Past ``REPLY_MAX_BYTES`` the record stays in Redis: the reply channel hears nothing, so
+    its gateway reads the record when the id comes on ``JOB_EVENTS``. A job admitted without a
+    reply channel publishes only its id too."""
+    big, plain = new_job(tenant=uuid.uuid4().hex), new_job(tenant=uuid.uuid4().hex)
+    replies = reply_channel("gw-" + big.id)
+    for job, reply_to in ((big, replies), (plain, None)):
+        keys, args = admission.admit_call(job, time.time() + 60, LIMITS, 60, reply_to=reply_to)
+        _admitted(redis, keys, args)
+    assert redis.hget(job_key(plain.id), "reply") is None
+    pubsub = _listen(redis, JOB_EVENTS, replies)
+    error = ErrorBody(code=ErrorCode.INTERNAL_ERROR, message="x" * REPLY_MAX_BYTES)
+    for job in (big, plain):
+        failed = job.model_copy(update={"status": JobStatus.FAILED, "error": error})
+        assert _advance(redis, failed) == Advance.WRITTEN
+        assert _published(pubsub, job.id) == [(JOB_EVENTS, job.id)]

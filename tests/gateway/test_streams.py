@@ -421,3 +421,35 @@ def test_a_completion_that_watched_before_admitting_reads_its_job_once(
     assert all(job is not None and job.status == JobStatus.SUCCEEDED for job in finished)
     assert reads.count(watched.id) == 1
     assert reads.count(polled.id) == 2
+
+
+def test_a_completion_whose_record_comes_on_its_reply_channel_reads_none(
+    infra: LocalStack, redis: Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job admitted with this gateway's reply channel has its final record published there:
+    the completion waiting for it answers from the message and reads nothing back. A waiter
+    of another tenant is not answered from it (it reads, and finds no job of its own)."""
+    reads = _reads_counted(monkeypatch)
+    job = _running(redis)
+    with Hub(infra.redis_url) as hub:
+        redis.hset(job_key(job.id), "reply", hub.waiter.replies)  # as ``ADMIT`` writes it
+        registered = threading.Event()
+
+        async def watch(tenant: str) -> JobPublic | None:
+            ended = asyncio.Event()
+            with hub.waiter.notifying(job.id, ended.set):
+                registered.set()
+                return await hub.waiter.wait_watched(
+                    hub.pool, job.id, tenant, 120, ended, unread=True
+                )
+
+        waiting = asyncio.run_coroutine_threadsafe(watch(job.tenant), hub.loop)
+        registered.wait(60)
+        registered.clear()
+        stranger = asyncio.run_coroutine_threadsafe(watch("someone-else"), hub.loop)
+        registered.wait(60)
+        _finish(redis, job)
+        finished, strangers = waiting.result(timeout=60), stranger.result(timeout=60)
+    assert finished == job.model_copy(update={"status": JobStatus.SUCCEEDED})
+    assert strangers is None
+    assert reads == [job.id]  # the stranger's read only
