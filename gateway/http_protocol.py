@@ -6,7 +6,9 @@ head over 16 KiB). A client without a key could make the gateway hold megabytes 
 before any route or middleware runs. This protocol counts the bytes a request's head takes as
 they arrive and, once they pass ``MAX_HEAD_BYTES``, answers 431 ``headers_too_large`` and
 closes the connection; the parser has then buffered at most that plus one read. A body does not
-count: the count stops when the head is complete and starts again with the next request. A head
+count: the count stops when the head is complete and starts again with the next request (in a
+read that holds the end of one request and the start of the next, only what follows the bytes
+the parser handed over for the first, its body and head fields, counts). A head
 that arrives whole within one read (so never left incomplete to be counted) is measured as the
 parser hands it over (its request target and headers) and refused the same, never run.
 
@@ -113,6 +115,8 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._in_head = False
         self._head_bytes = 0
         self._parsed_head = 0  # the head's request target and headers, as the parser gave them
+        self._handed_over = 0  # bytes of the read being parsed the parser handed over so far
+        self._head_from: int | None = None  # ``_handed_over`` when a head began in this read
         self._refused = False  # from then on, what the client sends is dropped unread
         self._answer_due: bytes | None = None  # a refusal held until the responses are sent
         self._lingering: asyncio.TimerHandle | None = None
@@ -130,13 +134,17 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._in_head = True
         self._head_bytes = 0
         self._parsed_head = 0
+        self._head_from = self._handed_over
 
     def on_url(self, url: bytes) -> None:
         self._parsed_head += len(url)
+        self._handed_over += len(url)
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._parsed_head += len(name) + len(value) + 4  # ": " and the line's end
+        size = len(name) + len(value) + 4  # ": " and the line's end
+        self._parsed_head += size
+        self._handed_over += size
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
@@ -153,6 +161,7 @@ class BoundedHttpTools(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
+        self._handed_over += len(body)
         if not self._refused:  # else the body of a refused request: dropped
             super().on_body(body)
 
@@ -163,6 +172,7 @@ class BoundedHttpTools(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # dropped until the client closes, LINGER_S passed, or the responses end
+        self._handed_over, self._head_from = 0, None
         super().data_received(data)
         if self._refused:
             return  # refused while this read was parsed (a head whole in it, too large)
@@ -176,9 +186,10 @@ class BoundedHttpTools(HttpToolsProtocol):
             self._timer = self.loop.call_later(self._head_timeout_s, self._timed_out)
         if not self._in_head:
             return
-        # The head is not complete after this read: all of it was head (a read that began a
-        # request after the end of the last one counts whole, at most one read too many).
-        self._head_bytes += len(data)
+        # The head is not complete after this read: all of the read was head, or, if the head
+        # began in it, what followed the earlier request's bytes the parser handed over (its
+        # body, head fields; the rest of it, request line and framing, counts as head).
+        self._head_bytes += len(data) - (self._head_from or 0)
         if self._head_bytes > MAX_HEAD_BYTES:
             self._refuse_too_large()
 
