@@ -106,7 +106,7 @@ if ARGV[13] == '1' then
   redis.call('EXPIRE', KEYS[8], math.min(tonumber(ARGV[9]), STREAM_TTL_S))
 end
 -- Its caller waits on one gateway: the final record is published there (``ADVANCE``).
-if ARGV[14] ~= '' then redis.call('HSET', KEYS[4], 'reply', ARGV[14]) end
+if ARGV[14] and ARGV[14] ~= '' then redis.call('HSET', KEYS[4], 'reply', ARGV[14]) end
 if ARGV[11] ~= '' then redis.call('LPUSH', KEYS[6], ARGV[11]) end
 return {'admitted', '0'}
 """

@@ -2,7 +2,9 @@
 
 A record is a hash ``{status, record (JobPublic JSON), attempts}`` under ``job_key(id)``,
 with ``started_at`` and ``worker`` beside them while an attempt runs (``job_of`` reads them
-together). Every change but a claim goes through ``ADVANCE``, a compare-and-set that
+together), ``message`` while a job routed to one worker waits for it (``routed_key``), and
+``reply``, the reply channel of the gateway whose caller waits for the job's end. Every
+change but a claim goes through ``ADVANCE``, a compare-and-set that
 
 - never moves a job out of a terminal state (succeeded, failed, cancelled), so a redelivered
   or late attempt can't overwrite the outcome, and the first terminal write is the only one;
@@ -227,14 +229,19 @@ def job_of(values: Sequence[Any]) -> JobPublic | None:
     return job.model_copy(update=update) if update else job
 
 
-def reply_job(reply: str) -> tuple[str, JobPublic]:
-    """The job id and final record a reply channel's message holds, as ``ADVANCE`` publishes
-    them: ``id``, ``attempts``, ``status`` and the record, one per line (the record's JSON
-    holds no newline)."""
-    job_id, attempts, status, record = reply.split("\n", 3)
+def reply_id(reply: str) -> str:
+    """The job id a reply channel's message is about: its first line (``reply_job``)."""
+    return reply.partition("\n")[0]
+
+
+def reply_job(reply: str) -> JobPublic:
+    """The final record a reply channel's message holds, as ``ADVANCE`` publishes it: the
+    job's id, ``attempts``, ``status`` and the record, one per line (the record's JSON holds
+    no newline)."""
+    _, attempts, status, record = reply.split("\n", 3)
     job = job_of((record, status, attempts, None, None))
     assert job is not None  # a record was given
-    return job_id, job
+    return job
 
 
 HOLDS_LUA = f"""

@@ -32,7 +32,8 @@ CHANNELS_INDEX = f"{PREFIX}:channels"
 
 
 def job_key(job_id: str) -> str:
-    """Hash: one job's public record (``record``, JSON), ``status`` and ``attempts``."""
+    """Hash: one job's public record (``record``, JSON), ``status`` and ``attempts``, and
+    the fields ``contracts.job_records`` lists beside them."""
     return f"{PREFIX}:job:{job_id}"
 
 

@@ -36,13 +36,14 @@ request headers, cookies and environment, ``extra``, log parameters, breadcrumbs
 and dropped from its user, as sentry-sdk 2.x's event scrubber did: with ``data_collection``
 (2.76) it is off, and 3.x has none. Frame variables are never sent (``data_collection``)."""
 
-CREDENTIAL_SUFFIXES = (
-    "_token", "_secret", "_password", "_passwd", "_api_key", "_apikey", "_access_key",
-    "_secret_key", "_private_key", "_credentials",
+CREDENTIAL_ENDINGS = (
+    "token", "secret", "secrets", "password", "passwd", "pwd", "passphrase", "apikey",
+    "accesskey", "secretkey", "privatekey", "credentials",
 )  # fmt: skip
-"""Endings that make a key a credential's too (matched as ``CREDENTIAL_KEYS``, beyond
-sentry-sdk's whole-key lists): ``x-auth-token``, ``access_token``, ``client_secret``,
-``aws_secret_access_key``. Counts (``max_tokens``) end otherwise."""
+"""Endings that make a key a credential's too, read in lower case without ``_`` and ``-``
+(beyond sentry-sdk's whole-key lists): ``X-Auth-Token``, ``access_token``, ``accessToken``,
+``client_secret``, ``aws_secret_access_key``, botocore's ``SecretAccessKey`` and
+``SessionToken``. Counts (``max_tokens``) end otherwise."""
 
 
 def _sensitive(key: object) -> bool:
@@ -51,7 +52,7 @@ def _sensitive(key: object) -> bool:
     if key in SENSITIVE_KEYS:
         return True
     key = key.lower().replace("-", "_")
-    return key in CREDENTIAL_KEYS or key.endswith(CREDENTIAL_SUFFIXES)
+    return key in CREDENTIAL_KEYS or key.replace("_", "").endswith(CREDENTIAL_ENDINGS)
 
 
 def _scrub(value: Any) -> Any:

@@ -8,7 +8,10 @@ they arrive and, once they pass ``MAX_HEAD_BYTES``, answers 431 ``headers_too_la
 closes the connection; the parser has then buffered at most that plus one read. A body does not
 count: the count stops when the head is complete and starts again with the next request (in a
 read that holds the end of one request and the start of the next, only what follows the bytes
-the parser handed over for the first, its body and head fields, counts). A head
+the parser handed over for the first counts: its body, URL, and head fields if it began in that
+read; its request line, a field begun in an earlier read, and a chunked body's size lines
+count as head, so a pipelining client that sends a chunked body in many tiny chunks can meet
+a 431 early, never a head past the bound). A head
 that arrives whole within one read (so never left incomplete to be counted) is measured as the
 parser hands it over (its request target and headers) and refused the same, never run.
 
@@ -138,13 +141,16 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def on_url(self, url: bytes) -> None:
         self._parsed_head += len(url)
-        self._handed_over += len(url)
+        self._handed_over += len(url)  # the URL comes in the pieces each read holds
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        size = len(name) + len(value) + 4  # ": " and the line's end
-        self._parsed_head += size
-        self._handed_over += size
+        self._parsed_head += len(name) + len(value) + 4  # ": " and the line's end
+        if self._head_from is not None:
+            # Its request began in this read, so the whole field is in it (httptools hands a
+            # field over whole, when it ends: one begun in an earlier read was counted there),
+            # at least ``name:value`` and the line's end.
+            self._handed_over += len(name) + len(value) + 3
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
@@ -187,9 +193,11 @@ class BoundedHttpTools(HttpToolsProtocol):
         if not self._in_head:
             return
         # The head is not complete after this read: all of the read was head, or, if the head
-        # began in it, what followed the earlier request's bytes the parser handed over (its
-        # body, head fields; the rest of it, request line and framing, counts as head).
-        self._head_bytes += len(data) - (self._head_from or 0)
+        # began in it, what followed the earlier request's bytes the parser handed over (body,
+        # URL, and its head fields if it began in this read too). The rest of it (its request
+        # line, fields begun in an earlier read, a chunked body's framing) counts as head:
+        # the count errs towards a refusal, never past the bound.
+        self._head_bytes += max(0, len(data) - (self._head_from or 0))
         if self._head_bytes > MAX_HEAD_BYTES:
             self._refuse_too_large()
 

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from contracts.job_records import reply_job
+from contracts.job_records import reply_id, reply_job
 from contracts.jobs import JobPublic
 from contracts.keys import JOB_EVENTS, reply_channel
 from gateway import job_store
@@ -58,7 +58,7 @@ class JobWaiter(LoopTask):
                         if kind == "message":
                             data = str(message["data"])
                             if message["channel"] == self.replies:
-                                job_id = data.partition("\n")[0]
+                                job_id = reply_id(data)
                                 if job_id not in self._watchers:
                                     continue
                                 self._replied[job_id] = data
@@ -142,5 +142,5 @@ class JobWaiter(LoopTask):
         reply = self._replied.get(job_id)
         if reply is None:
             return None
-        job = reply_job(reply)[1]
+        job = reply_job(reply)
         return job if job.tenant == tenant else None

@@ -10,7 +10,14 @@ from redis import Redis
 
 from contracts import admission
 from contracts.errors import ErrorBody, ErrorCode
-from contracts.job_records import ADVANCE, REPLY_MAX_BYTES, Advance, advance_call, reply_job
+from contracts.job_records import (
+    ADVANCE,
+    REPLY_MAX_BYTES,
+    Advance,
+    advance_call,
+    reply_id,
+    reply_job,
+)
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import JOB_CANCELS, JOB_EVENTS, job_key, reply_channel
 from tests.contracts.test_admission import LIMITS
@@ -113,13 +120,14 @@ def _admitted(redis: Redis, keys: list[str], args: list[str | int | float]) -> N
     assert admission.verdict(reply).refusal is None
 
 
-def _listen(redis: Redis, *channels: str) -> Any:
-    """A subscription to ``channels``, confirmed."""
+def _listen(redis: Redis) -> Any:
+    """A subscription to ``JOB_EVENTS`` and to every gateway's reply channel, confirmed."""
     pubsub = redis.pubsub()
-    pubsub.subscribe(*channels)
-    for _ in channels:
+    pubsub.subscribe(JOB_EVENTS)
+    pubsub.psubscribe(reply_channel("*"))
+    for _ in range(2):
         message = pubsub.get_message(timeout=5)
-        assert message is not None and message["type"] == "subscribe"
+        assert message is not None and message["type"] in ("subscribe", "psubscribe")
     return pubsub
 
 
@@ -129,11 +137,17 @@ def _published(pubsub: Any, job_id: str) -> list[tuple[str, str]]:
     came = []
     for _ in range(10):
         message = pubsub.get_message(timeout=0.1)
-        if message is None or message["type"] != "message":
+        if message is None or message["type"] not in ("message", "pmessage"):
             continue
-        if message["data"].split("\n", 1)[0] == job_id:
+        if reply_id(message["data"]) == job_id:
             came.append((message["channel"], message["data"]))
     return came
+
+
+def _admit(redis: Redis, job: JobPublic, reply_to: str | None) -> None:
+    keys, args = admission.admit_call(job, time.time() + 60, LIMITS, 60, reply_to=reply_to)
+    reply = redis.register_script(admission.ADMIT)(keys=keys, args=args)
+    assert admission.verdict(reply).refusal is None
 
 
 def test_the_final_record_goes_to_the_reply_channel_the_admission_named(redis: Redis) -> None:
@@ -142,35 +156,46 @@ def test_the_final_record_goes_to_the_reply_channel_the_admission_named(redis: R
     goes out to every gateway; earlier writes publish nothing."""
     job = new_job(tenant=uuid.uuid4().hex)
     replies = reply_channel("gw-" + job.id)
-    keys, args = admission.admit_call(job, time.time() + 60, LIMITS, 60, reply_to=replies)
-    _admitted(redis, keys, args)
+    _admit(redis, job, replies)
     assert redis.hget(job_key(job.id), "reply") == replies
-    pubsub = _listen(redis, JOB_EVENTS, replies)
+    pubsub = _listen(redis)
     running = job.model_copy(update={"status": JobStatus.RUNNING, "attempts": 1})
     assert _advance(redis, running, expect=0) == Advance.WRITTEN
     assert _published(pubsub, job.id) == []
     done = running.model_copy(update={"status": JobStatus.SUCCEEDED, "worker": "w"})
     assert _advance(redis, done) == Advance.WRITTEN
+    assert _advance(redis, done) == Advance.WRITTEN  # its reply lost, sent again: no effect
     came = _published(pubsub, job.id)
     assert [channel for channel, _ in came] == [replies, JOB_EVENTS]
-    replied_id, replied = reply_job(came[0][1])
-    assert replied_id == job.id and replied == done
+    assert reply_job(came[0][1]) == done
     assert came[1][1] == job.id
 
 
-def test_a_record_too_large_to_publish_is_only_announced(redis: Redis) -> None:
-    """Past ``REPLY_MAX_BYTES`` the record stays in Redis: the reply channel hears nothing, so
-    its gateway reads the record when the id comes on ``JOB_EVENTS``. A job admitted without a
-    reply channel publishes only its id too."""
-    big, plain = new_job(tenant=uuid.uuid4().hex), new_job(tenant=uuid.uuid4().hex)
-    replies = reply_channel("gw-" + big.id)
-    for job, reply_to in ((big, replies), (plain, None)):
-        keys, args = admission.admit_call(job, time.time() + 60, LIMITS, 60, reply_to=reply_to)
-        _admitted(redis, keys, args)
+def _failed(job: JobPublic, record_bytes: int) -> JobPublic:
+    """``job`` failed, with an error message that makes its record ``record_bytes`` long."""
+    error = ErrorBody(code=ErrorCode.INTERNAL_ERROR, message="")
+    failed = job.model_copy(update={"status": JobStatus.FAILED, "error": error})
+    padding = "x" * (record_bytes - len(failed.model_dump_json()))
+    failed = failed.model_copy(update={"error": error.model_copy(update={"message": padding})})
+    assert len(failed.model_dump_json()) == record_bytes
+    return failed
+
+
+def test_a_record_past_the_bound_and_a_job_without_a_reply_channel_are_only_announced(
+    redis: Redis,
+) -> None:
+    """Up to ``REPLY_MAX_BYTES`` the record is published on the reply channel; one byte more
+    and it stays in Redis: no reply channel hears of it, and its gateway reads the record
+    when the id comes on ``JOB_EVENTS``. A job admitted without a reply channel (streamed,
+    jobs API) publishes only its id."""
+    at_bound, past, plain = (new_job(tenant=uuid.uuid4().hex) for _ in range(3))
+    replies = reply_channel("gw-" + at_bound.id)
+    for job, reply_to in ((at_bound, replies), (past, replies), (plain, None)):
+        _admit(redis, job, reply_to)
     assert redis.hget(job_key(plain.id), "reply") is None
-    pubsub = _listen(redis, JOB_EVENTS, replies)
-    error = ErrorBody(code=ErrorCode.INTERNAL_ERROR, message="x" * REPLY_MAX_BYTES)
-    for job in (big, plain):
-        failed = job.model_copy(update={"status": JobStatus.FAILED, "error": error})
-        assert _advance(redis, failed) == Advance.WRITTEN
+    pubsub = _listen(redis)
+    assert _advance(redis, _failed(at_bound, REPLY_MAX_BYTES)) == Advance.WRITTEN
+    assert [channel for channel, _ in _published(pubsub, at_bound.id)] == [replies, JOB_EVENTS]
+    for job in (past, plain):
+        assert _advance(redis, _failed(job, REPLY_MAX_BYTES + 1)) == Advance.WRITTEN
         assert _published(pubsub, job.id) == [(JOB_EVENTS, job.id)]

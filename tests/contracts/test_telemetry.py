@@ -141,7 +141,7 @@ def test_sentry_options_send_only_scrubbed_error_events_on_the_installed_sdk() -
 def test_credential_keys_are_scrubbed_wherever_they_appear() -> None:
     """sentry-sdk 2.x's own scrubber removed these; with ``data_collection`` it is off (2.76),
     and 3.x has none: ``scrub_event`` does it on every SDK, and for keys that end as a
-    credential's do (``CREDENTIAL_SUFFIXES``), which 2.x's whole-key lists missed."""
+    credential's do (``CREDENTIAL_ENDINGS``), which 2.x's whole-key lists missed."""
     event = {
         "request": {
             "headers": {
@@ -155,7 +155,10 @@ def test_credential_keys_are_scrubbed_wherever_they_appear() -> None:
             "job_id": "j1",
             "max_tokens": 16,
             "oauth": {"client_secret": CREDENTIAL, "access_token": CREDENTIAL},
+            "js": {"refreshToken": CREDENTIAL, "clientSecret": CREDENTIAL},
             "env": {"AWS_SECRET_ACCESS_KEY": CREDENTIAL},
+            "boto": {"SecretAccessKey": CREDENTIAL, "SessionToken": CREDENTIAL},
+            "usage": {"prompt_tokens": 3, "completionTokens": 5},
         },
         "breadcrumbs": {"values": [{"data": {"X-Forwarded-For": "203.0.113.9"}}]},
         "contexts": {"webhook": {"signing_secret": CREDENTIAL}},
@@ -166,6 +169,7 @@ def test_credential_keys_are_scrubbed_wherever_they_appear() -> None:
     assert scrubbed["user"] == {"id": "acme"}  # dropped: "[scrubbed]" is no IP address
     assert scrubbed["request"]["headers"]["Accept"] == "application/json"
     assert scrubbed["extra"]["job_id"] == "j1" and scrubbed["extra"]["max_tokens"] == 16
+    assert scrubbed["extra"]["usage"] == {"prompt_tokens": 3, "completionTokens": 5}
 
 
 def test_celery_failure_logs_lose_their_task_arguments() -> None:
