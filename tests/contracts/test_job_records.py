@@ -115,11 +115,6 @@ def test_a_write_sent_again_after_its_reply_was_lost_is_answered_written(redis: 
     assert redis.hget(job_key(job.id), "attempts") == "0"
 
 
-def _admitted(redis: Redis, keys: list[str], args: list[str | int | float]) -> None:
-    reply = redis.register_script(admission.ADMIT)(keys=keys, args=args)
-    assert admission.verdict(reply).refusal is None
-
-
 def _listen(redis: Redis) -> Any:
     """A subscription to ``JOB_EVENTS`` and to every gateway's reply channel, confirmed."""
     pubsub = redis.pubsub()
@@ -145,7 +140,8 @@ def _published(pubsub: Any, job_id: str) -> list[tuple[str, str]]:
 
 
 def _admit(redis: Redis, job: JobPublic, reply_to: str | None) -> None:
-    keys, args = admission.admit_call(job, time.time() + 60, LIMITS, 60, reply_to=reply_to)
+    # A deadline far off: the session stack's sweeper fails a job past it.
+    keys, args = admission.admit_call(job, time.time() + 3600, LIMITS, 600, reply_to=reply_to)
     reply = redis.register_script(admission.ADMIT)(keys=keys, args=args)
     assert admission.verdict(reply).refusal is None
 
