@@ -75,7 +75,8 @@ _TERMINAL_LUA = " or ".join(f"s == '{status.value}'" for status in sorted(TERMIN
 REPLY_MAX_BYTES = 65536
 """The largest record ``ADVANCE`` publishes on a reply channel; a larger one is read back (a
 result over the workers' ``result_offload_bytes``, 16 KiB by default, is kept in the object
-store and its record holds only a reference, so records past this are rare)."""
+store and its record holds only a reference, so records past this are rare unless that is set
+to 0 or above this)."""
 
 WITHDRAWN = "withdrawn"
 """The ``status`` of a job key whose admission was withdrawn (``contracts.admission``
@@ -126,13 +127,13 @@ if terminal(ARGV[1]) then
       end
     end
   end
-  local attempts = redis.call('HGET', KEYS[1], 'attempts') or '0'
+  local kept = redis.call('HMGET', KEYS[1], 'attempts', 'reply')
+  local attempts, reply = kept[1] or '0', kept[2]
   if redis.call('EXISTS', KEYS[12]) == 1 then
     redis.call('XADD', KEYS[12], '*', '{STREAM_END}', ARGV[1], 'record', ARGV[2],
                'attempts', attempts)
   end
   -- Before the id on ``JOB_EVENTS``: the gateway that waits has the record when it wakes.
-  local reply = redis.call('HGET', KEYS[1], 'reply')
   if reply and #ARGV[2] <= {REPLY_MAX_BYTES} then
     local nl = '\\n'
     redis.call('PUBLISH', reply, ARGV[6] .. nl .. attempts .. nl .. ARGV[1] .. nl .. ARGV[2])

@@ -37,13 +37,15 @@ and dropped from its user, as sentry-sdk 2.x's event scrubber did: with ``data_c
 (2.76) it is off, and 3.x has none. Frame variables are never sent (``data_collection``)."""
 
 CREDENTIAL_ENDINGS = (
-    "token", "secret", "secrets", "password", "passwd", "pwd", "passphrase", "apikey",
-    "accesskey", "secretkey", "privatekey", "credentials",
+    "token", "secret", "secrets", "password", "passwd", "passphrase", "apikey", "accesskey",
+    "secretkey", "privatekey", "signingkey", "credentials", "auth",
 )  # fmt: skip
 """Endings that make a key a credential's too, read in lower case without ``_`` and ``-``
 (beyond sentry-sdk's whole-key lists): ``X-Auth-Token``, ``access_token``, ``accessToken``,
 ``client_secret``, ``aws_secret_access_key``, botocore's ``SecretAccessKey`` and
-``SessionToken``. Counts (``max_tokens``) end otherwise."""
+``SessionToken``, ``signing_key``, ``basic_auth``. Counts (``max_tokens``) end otherwise; so
+does a working directory (``PWD``: ``mysql_pwd`` is listed whole). A tokenizer's ``eos_token``
+is scrubbed too, which loses nothing of a credential's kind."""
 
 
 def _sensitive(key: object) -> bool:

@@ -47,6 +47,8 @@ class JobWaiter(LoopTask):
         waits here (``wait_watched`` then takes the final record from the channel)."""
         self._replied: dict[str, str] = {}
         """Watched job id -> its reply message (parsed by the waiter that takes it)."""
+        self.listening = asyncio.Event()
+        """Set while subscribed to both channels (once every waiter was woken for it)."""
 
     async def run(self) -> None:
         while True:
@@ -70,7 +72,9 @@ class JobWaiter(LoopTask):
                             # Listening (again), to both channels (subscribed in this order):
                             # what finished meanwhile published to nobody.
                             self._wake_all()
+                            self.listening.set()
             except (RedisError, OSError) as exc:
+                self.listening.clear()
                 log.warning("job-events subscription lost (%s); reconnecting", exc)
                 await asyncio.sleep(1.0)
 

@@ -130,7 +130,8 @@ def _published(pubsub: Any, job_id: str) -> list[tuple[str, str]]:
     """``(channel, data)`` of what came for ``job_id`` within a second, in order (other tests'
     jobs may end meanwhile on the session's stack)."""
     came = []
-    for _ in range(10):
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
         message = pubsub.get_message(timeout=0.1)
         if message is None or message["type"] not in ("message", "pmessage"):
             continue

@@ -158,6 +158,7 @@ def test_credential_keys_are_scrubbed_wherever_they_appear() -> None:
             "js": {"refreshToken": CREDENTIAL, "clientSecret": CREDENTIAL},
             "env": {"AWS_SECRET_ACCESS_KEY": CREDENTIAL},
             "boto": {"SecretAccessKey": CREDENTIAL, "SessionToken": CREDENTIAL},
+            "more": {"signing_key": CREDENTIAL, "basic_auth": CREDENTIAL, "PWD": "/srv"},
             "usage": {"prompt_tokens": 3, "completionTokens": 5},
         },
         "breadcrumbs": {"values": [{"data": {"X-Forwarded-For": "203.0.113.9"}}]},
@@ -170,6 +171,7 @@ def test_credential_keys_are_scrubbed_wherever_they_appear() -> None:
     assert scrubbed["request"]["headers"]["Accept"] == "application/json"
     assert scrubbed["extra"]["job_id"] == "j1" and scrubbed["extra"]["max_tokens"] == 16
     assert scrubbed["extra"]["usage"] == {"prompt_tokens": 3, "completionTokens": 5}
+    assert scrubbed["extra"]["more"]["PWD"] == "/srv"
 
 
 def test_celery_failure_logs_lose_their_task_arguments() -> None:

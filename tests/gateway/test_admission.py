@@ -21,7 +21,9 @@ from contracts.keys import (
     STREAM_OPENED,
     STREAM_OPENED_ID,
     STREAM_TTL_S,
+    job_key,
     rate_key,
+    reply_channel,
     stream_key,
     tenant_ledger_key,
 )
@@ -405,7 +407,9 @@ def test_a_streamed_completion_admits_its_job_with_its_stream_open_and_a_plain_o
 ) -> None:
     """The route admits a streamed request's job with its stream opened (so the stream will
     hold the job's end: ``StreamHub.follow``), expiring as streams do; an unstreamed one's
-    job has no stream. (No worker runs here: both wait out their bound.)"""
+    job has no stream, and names the gateway's reply channel instead (its final record is
+    published there: ``JobWaiter.replies``), one the gateway listens on. (No worker runs here:
+    both wait out their bound.)"""
     key = tenant_key("acme")
     body = {"model": _cold(published), "prompt": "hello", "max_tokens": 4}
     with (
@@ -420,6 +424,9 @@ def test_a_streamed_completion_admits_its_job_with_its_stream_open_and_a_plain_o
         plain = http.post("/v1/completions", json=body)
         assert plain.status_code == 504
         plain_job = plain.headers["x-lorafleet-job-id"]
+        reply = private_redis.hget(job_key(plain_job), "reply")
+        assert reply in private_redis.pubsub_channels(reply_channel("*")), reply
+    assert private_redis.hget(job_key(streamed_job), "reply") is None
     assert private_redis.xrange(stream_key(streamed_job)) == [
         (STREAM_OPENED_ID, {STREAM_OPENED: "1"})
     ]

@@ -70,6 +70,9 @@ class Hub:
         self.hub.start()
         while "stream-hub" not in {t.get_name() for t in asyncio.all_tasks()}:
             await asyncio.sleep(0.01)
+        # Subscribed, and every waiter woken for it already (none are yet): a waiter
+        # registered from now on is woken only by what the channels bring.
+        await asyncio.wait_for(self.waiter.listening.wait(), 25)
         # Subscribed: its connection counts a channel (a fixed pause was once too short).
         deadline = time.monotonic() + 25  # within ``__enter__``'s 30 s
         while not any(
@@ -397,8 +400,10 @@ def test_a_completion_that_watched_before_admitting_reads_its_job_once(
     infra: LocalStack, redis: Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``POST /v1/completions`` registers for its job's end before it admits the job, so no
-    end can pass unnoticed: it reads the record once, when the end is announced (a long-poll
-    of a job created elsewhere reads it first, then again at the end)."""
+    end can pass unnoticed: without its record on the reply channel (a job whose hash names
+    none, as one a worker older than the reply channel finishes), it reads the record once,
+    when the end is announced (a long-poll of a job created elsewhere reads it first, then
+    again at the end)."""
     reads = _reads_counted(monkeypatch)
     watched, polled = _running(redis), _running(redis)
     with Hub(infra.redis_url) as hub:
@@ -444,10 +449,10 @@ def test_a_completion_whose_record_comes_on_its_reply_channel_reads_none(
                 )
 
         waiting = asyncio.run_coroutine_threadsafe(watch(job.tenant), hub.loop)
-        registered.wait(60)
+        assert registered.wait(60)
         registered.clear()
         stranger = asyncio.run_coroutine_threadsafe(watch("someone-else"), hub.loop)
-        registered.wait(60)
+        assert registered.wait(60)
         _finish(redis, job)
         finished, strangers = waiting.result(timeout=60), stranger.result(timeout=60)
     assert finished == job.model_copy(update={"status": JobStatus.SUCCEEDED})
