@@ -26,6 +26,7 @@ from typing import Any
 from redis import Redis
 
 from contracts import admission, job_records
+from contracts.admission import ACCESS_PREFIXES
 from contracts.batches import BatchLine, BatchRecord
 from contracts.jobs import (
     EngineInfo,
@@ -51,7 +52,6 @@ from contracts.keys import (
 from contracts.queues import Tier, pool_queues, queue_for
 from contracts.registry import AdapterRecord, BaseModelRef
 from contracts.tenants import ALL_ADAPTERS, ApiKeyRecord, TenantRecord
-from gateway.access import _PREFIXES as ACCESS_PREFIXES
 from gateway.access import ACCESS
 from gateway.batches import READ_CHUNK
 from gateway.queue import job_message

@@ -28,19 +28,25 @@ from contracts.jobs import JobPublic
 from contracts.keys import (
     DEADLINES,
     NO_KEY,
+    RETIRED_INDEX,
     STREAM_OPENED,
     STREAM_OPENED_ID,
     STREAM_TTL_S,
+    adapter_key,
     batch_jobs_key,
     batch_key,
+    channel_key,
+    grants_key,
     job_key,
     queue_ledger_key,
     rate_key,
     routed_key,
     stream_key,
+    tenant_key,
     tenant_ledger_key,
 )
 from contracts.queues import Tier
+from contracts.tenants import ALL_ADAPTERS
 
 LEDGER_GRACE_S = 60.0
 """A job still unfinished this long after its deadline no longer counts against limits."""
@@ -71,16 +77,88 @@ _WITHDRAWN_LUA = (
     f"local STREAM_TTL_S = {STREAM_TTL_S}\n"
 )
 
+READ_ACCESS_LUA = """
+local function read_access(key_name, prefix, name)
+  local key = redis.call('GET', key_name)
+  if not key then return {} end
+  local ok, parsed = pcall(cjson.decode, key)
+  if not ok or type(parsed) ~= 'table' or type(parsed['tenant']) ~= 'string' then
+    return {key}
+  end
+  local tenant = parsed['tenant']
+  local record = redis.call('GET', prefix[1] .. tenant)
+  if not record or name == '' then return {key, record} end
+  local target = redis.call('GET', prefix[3] .. name)
+  local grants = redis.call('SMISMEMBER', prefix[2] .. tenant, name, prefix[6])
+  local alias = target or name
+  return {key, record, target, math.max(grants[1], grants[2]),
+          redis.call('GET', prefix[4] .. alias), redis.call('SISMEMBER', prefix[5], alias)}
+end
+"""
+"""Lua: what decides a caller's access, read in one step (``gateway.access.ACCESS``; ``ADMIT``
+reads it again for a recalled access). ``read_access(the presented key's record's key,
+ACCESS_PREFIXES as a table, the name asked for ('': authenticate only))`` returns ``{}`` for
+an unknown key; ``{key}`` if it names no tenant; ``{key, tenant}`` to authenticate; else also
+``{channel target, granted (0/1), alias record, retired (0/1)}``. Absent keys read ``false``."""
+
+ACCESS_PREFIXES: list[str] = [
+    tenant_key(""),
+    grants_key(""),
+    channel_key(""),
+    adapter_key(""),
+    RETIRED_INDEX,
+    ALL_ADAPTERS,
+]
+"""The key prefixes ``read_access`` builds names from (``contracts.keys`` stays their one
+definition): only keys of the registry and of the caller's tenant are read."""
+
+ACCESS_READS = 6
+"""What a named access reads (``read_access``'s reply to a key that names a tenant that
+exists): the witness a recalled access carries to ``ADMIT``."""
+
+
+@dataclass(frozen=True)
+class Recalled:
+    """An access as the gateway last read it, for ``ADMIT`` to check again."""
+
+    key: str
+    """The presented key's record's key (``api_key_key``)."""
+    name: str
+    """The name the caller asked for."""
+    witness: tuple[str, ...]
+    """``witness`` of what ``read_access`` returned then (``ACCESS_READS`` values)."""
+
+
+def witness(reply: list[str | int | None]) -> tuple[str, ...]:
+    """``read_access``'s reply as ``ADMIT`` compares it: each value after ``=``, an absent one
+    as the empty string (so an empty value and none are told apart)."""
+    return tuple("" if value is None else f"={value}" for value in reply)
+
+
 ADMIT = (
     REFUSE_WHEN_FULL
     + TAKE_TOKEN_LUA
+    + READ_ACCESS_LUA
     + _WITHDRAWN_LUA
+    + f"local NO_KEY, ACCESS_READS = '{NO_KEY}', {ACCESS_READS}\n"
     + """
 -- Run again (a client retrying after its reply was lost): admitted already, and only once;
 -- or withdrawn meanwhile (this copy waited in Redis's input after its caller gave up).
 local was = redis.call('HGET', KEYS[4], 'status')
 if was == WITHDRAWN then return {'withdrawn', '0'} end
 if was then return {'admitted', '0'} end
+-- A recalled access (the gateway did not read it for this request): admitted only if what
+-- decides it is still exactly what the gateway read when it was last read; else nothing is
+-- written and the gateway reads it again.
+if KEYS[9] and KEYS[9] ~= NO_KEY then
+  local now_read = read_access(KEYS[9], {unpack(ARGV, 15, 20)}, ARGV[21])
+  for i = 1, ACCESS_READS do
+    local value = now_read[i]
+    local seen = ''
+    if value then seen = '=' .. value end
+    if seen ~= ARGV[21 + i] then return {'changed', '0'} end
+  end
+end
 local now_t = redis.call('TIME')
 local now = tonumber(now_t[1]) + tonumber(now_t[2]) / 1e6
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -180,6 +258,7 @@ def admit_call(
     routed: tuple[str, str] | None = None,
     stream: bool = False,
     reply_to: str | None = None,
+    recalled: Recalled | None = None,
 ) -> tuple[list[str], list[str | int | float]]:
     """``(keys, args)`` of ``ADMIT`` for a new ``job`` (its record is written if admitted);
     ``expires_at`` is its deadline + ``LEDGER_GRACE_S``. ``message``, if given, is pushed
@@ -187,7 +266,9 @@ def admit_call(
     id, message)`` of a job routed to that worker's own queue (``routed_key``). ``stream``:
     its caller streams, and its stream is opened (``STREAM_OPENED``). ``reply_to``: the reply
     channel (``reply_channel``) of the gateway whose caller waits for the job's end; its final
-    record is published there."""
+    record is published there. ``recalled``: the caller's access as the gateway last read it,
+    not read for this request: admitted only if Redis still holds exactly that
+    (``AccessChanged`` otherwise)."""
     if message is None:
         queue = NO_KEY
     elif queue is None:
@@ -195,6 +276,8 @@ def admit_call(
     index = routed_key(routed[0]) if routed else NO_KEY
     keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id), DEADLINES, queue, index]
     keys.append(stream_key(job.id) if stream else NO_KEY)
+    if recalled is not None:
+        keys.append(recalled.key)
     args: list[str | int | float] = [
         job.id,
         repr(expires_at),
@@ -211,6 +294,8 @@ def admit_call(
         "1" if stream else "",
         reply_to or "",
     ]
+    if recalled is not None:
+        args += [*ACCESS_PREFIXES, recalled.name, *recalled.witness]
     return keys, args
 
 
@@ -218,6 +303,12 @@ def withdraw_call(job: JobPublic, burst: int) -> tuple[list[str], list[str | int
     keys = [*ledger_keys(job), rate_key(job.tenant), job_key(job.id), DEADLINES]
     keys.append(stream_key(job.id))
     return keys, [job.id, burst, WITHDRAWN, WITHDRAWN_TTL_S]
+
+
+class AccessChanged(Exception):
+    """``ADMIT`` refused a recalled access: the key, its tenant, the grant or what the name
+    resolves to is no longer what the gateway last read. Nothing was written; the gateway
+    reads the access again and decides on that."""
 
 
 class AdmissionWithdrawn(Exception):
@@ -229,6 +320,8 @@ def verdict(reply: list[str]) -> Verdict:
     kind, retry = str(reply[0]), float(reply[1])
     if kind == "withdrawn":
         raise AdmissionWithdrawn
+    if kind == "changed":
+        raise AccessChanged
     return Verdict(None if kind == "admitted" else Refusal(kind), retry)
 
 

@@ -12,6 +12,7 @@ ADMISSIONS_REFUSED = "lorafleet_admissions_refused_total"
 ADAPTER_REQUESTS = "lorafleet_adapter_requests_total"
 ROUTING_DECISIONS = "lorafleet_routing_decisions_total"
 ADAPTER_COPIES = "lorafleet_adapters_by_copies"
+ACCESS_RECALLS = "lorafleet_access_recalls_total"
 # Gateway (cancellations) and worker (everything else)
 JOBS_FINISHED = "lorafleet_jobs_finished_total"
 # Gateway and worker: registry records a reader skipped because they do not parse
@@ -47,6 +48,7 @@ ALL = frozenset(
         ADAPTER_REQUESTS,
         ROUTING_DECISIONS,
         ADAPTER_COPIES,
+        ACCESS_RECALLS,
         JOBS_FINISHED,
         REGISTRY_RECORDS_INVALID,
         JOB_E2E,

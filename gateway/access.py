@@ -1,18 +1,30 @@
-"""Who is calling, and may they use the adapter they name: one Redis round trip.
+"""Who is calling, and may they use the adapter they name: one Redis round trip, or none.
 
 A bearer API key resolves to a tenant, or the request is refused (401). An admission asks in
 the same script whether the tenant is granted the name it used and what the name resolves to
-(``gateway.registry``), so a job costs one read before it is admitted. Nothing read is
-cached: a revoked key, a retired alias, a moved channel take effect on the next request. What
-is kept is the parse of a record's exact text (``PARSED``): the same key and tenant records
-arrive with every request of a tenant (with the adapter's, ``gateway.registry``: 9.7 us a
-request parsed, 0.26 us kept, in a micro-benchmark).
+(``gateway.registry``), so a job costs one read before it is admitted. What is kept is the
+parse of a record's exact text (``PARSED``): the same key and tenant records arrive with
+every request of a tenant (with the adapter's, ``gateway.registry``: 9.7 us a request parsed,
+0.26 us kept, in a micro-benchmark).
+
+A request that admits a job need not read its access at all (``recall``): a process keeps the
+named accesses it last read that admit (``RECALLED``), and the admission script checks, in the
+step that admits, that Redis still holds exactly what was read then (``ADMIT``, the
+``Recalled`` witness); if anything changed (a revoked or rotated key, a tenant's limits, a
+grant, a moved channel, a retired alias) nothing is written and the gateway reads the access
+again and decides on that. So a revoked key, a retired alias, a moved channel still take
+effect on the next request, in one round trip fewer for every request they do not concern.
+Until the admission has checked it, a recalled access is ``Unconfirmed``: any error answered
+before (an invalid body, a prompt too long, an idempotency replay) first confirms the key, so a
+bad key is 401 whatever the body holds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -20,18 +32,13 @@ from weakref import WeakKeyDictionary
 import sentry_sdk
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError
 
+from contracts.admission import ACCESS_PREFIXES, READ_ACCESS_LUA, Recalled, witness
 from contracts.errors import ErrorCode
-from contracts.keys import (
-    RETIRED_INDEX,
-    adapter_key,
-    api_key_key,
-    channel_key,
-    grants_key,
-    tenant_key,
-)
-from contracts.tenants import ALL_ADAPTERS, ApiKeyRecord, TenantRecord
-from gateway.errors import ApiError, shown
+from contracts.keys import api_key_key
+from contracts.tenants import ApiKeyRecord, TenantRecord
+from gateway.errors import ApiError, shown, unavailable
 from gateway.registry import Resolved, UnreadableAlias, resolution
 
 _UNAUTHORIZED = (
@@ -39,41 +46,26 @@ _UNAUTHORIZED = (
     "(create one with `lorafleet tenants create`)."
 )
 
-ACCESS = """
--- KEYS: 1 the presented key's record. ARGV: 1 tenant key prefix, 2 grants key prefix,
--- 3 channel key prefix, 4 adapter key prefix, 5 retired index, 6 the all-adapters grant,
--- 7 the name asked for ('': authenticate only).
--- Returns {} for an unknown key; {key} if it names no tenant; {key, tenant} to
--- authenticate; else also {channel target, granted (0/1), alias record, retired (0/1)}.
-local key = redis.call('GET', KEYS[1])
-if not key then return {} end
-local ok, parsed = pcall(cjson.decode, key)
-if not ok or type(parsed) ~= 'table' or type(parsed['tenant']) ~= 'string' then
-  return {key}
-end
-local tenant = parsed['tenant']
-local record = redis.call('GET', ARGV[1] .. tenant)
-if not record or ARGV[7] == '' then return {key, record} end
-local name = ARGV[7]
-local target = redis.call('GET', ARGV[3] .. name)
-local grants = redis.call('SMISMEMBER', ARGV[2] .. tenant, name, ARGV[6])
-local alias = target or name
-return {key, record, target, math.max(grants[1], grants[2]),
-        redis.call('GET', ARGV[4] .. alias), redis.call('SISMEMBER', ARGV[5], alias)}
+NOT_AUTHENTICATED = "The request could not be authenticated: {what} ({exc}); retry."
+
+ACCESS = (
+    READ_ACCESS_LUA
+    + """
+-- KEYS: 1 the presented key's record. ARGV: 1-6 ACCESS_PREFIXES, 7 the name asked for
+-- ('': authenticate only).
+return read_access(KEYS[1], {unpack(ARGV, 1, 6)}, ARGV[7])
 """
-# Key names are built in the script from these prefixes (contracts.keys stays their one
-# definition); the script reads only keys of the registry and of the caller's tenant.
-_PREFIXES = [
-    tenant_key(""),
-    grants_key(""),
-    channel_key(""),
-    adapter_key(""),
-    RETIRED_INDEX,
-    ALL_ADAPTERS,
-]
+)
+"""``contracts.admission.read_access`` of the presented key, as its own script."""
 
 
 _scripts: WeakKeyDictionary[Redis, AsyncScript] = WeakKeyDictionary()  # ``ACCESS`` per client
+
+RECALLED = 4096
+"""Named accesses that admit kept per process (per Redis client) for ``recall``: the most
+recently used."""
+
+_recalled: WeakKeyDictionary[Redis, OrderedDict[tuple[str, str], _Kept]] = WeakKeyDictionary()
 
 PARSED = 4096
 """Key and tenant records whose parse is kept (each by its exact text; the models are
@@ -102,6 +94,38 @@ class Caller:
     key_hash: str
 
 
+@dataclass(eq=False)
+class Unconfirmed:
+    """This request's access was recalled, not read (``recall``): the admission script checks
+    it against ``recalled``; until something has confirmed the key, an error answered to the
+    request must first confirm it (``refusal``)."""
+
+    recalled: Recalled
+    caller: Caller
+    redis: Redis
+    timeout_s: float
+    confirmed: bool = False
+    """Redis was read for this request's key (an admission checked the witness, or
+    ``refusal`` or ``Submitter`` read it again)."""
+
+    async def refusal(self) -> ApiError | None:
+        """What to answer instead of an error to this request: ``None`` if its key is good
+        (or was confirmed already), else the 401 (or a 503 if the key store does not answer
+        within the bound)."""
+        if self.confirmed:
+            return None
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await check(self.redis, self.caller)
+        except ApiError as refusal:
+            self.confirmed = True
+            return refusal
+        except (RedisError, OSError, TimeoutError) as exc:
+            return unavailable("the key store is unreachable", exc, NOT_AUTHENTICATED)
+        self.confirmed = True
+        return None
+
+
 @dataclass(frozen=True)
 class Access:
     """The caller's tenant and, if a name was asked for, what it resolves to."""
@@ -112,6 +136,8 @@ class Access:
     """``None`` when the name does not exist or is not granted to the tenant (the two are not
     told apart), or when its record is ``unreadable``."""
     unreadable: UnreadableAlias | None = None
+    unconfirmed: Unconfirmed | None = field(default=None, compare=False)
+    """Set when this access was recalled, not read, for this request."""
 
     def admissible(self) -> Resolved:
         """The revision a job naming ``name`` is admitted with, or the ``ApiError`` refusing
@@ -155,15 +181,25 @@ def refused() -> ApiError:
     )
 
 
-async def check(redis: Redis, caller: Caller, name: str = "") -> Access:
+@dataclass(frozen=True)
+class _Kept:
+    access: Access
+    recalled: Recalled
+    expires_at: datetime | None
+    """The key's own expiry (a rotated key's grace), checked at each recall."""
+
+
+async def check(redis: Redis, caller: Caller, name: str = "", keep: bool = False) -> Access:
     """The caller's tenant (401 ``ApiError`` if the key is unknown, revoked, expired or its
     tenant gone) and, if ``name`` is given, what it resolves to for that tenant. A revoked key
     is gone from Redis, so it is refused on the next request; a rotated key is refused once
-    its grace period ends. Redis errors are raised as they are."""
+    its grace period ends. Redis errors are raised as they are. ``keep``: an access that
+    admits is kept for ``recall``."""
     script = _scripts.get(redis)
     if script is None:
         script = _scripts[redis] = redis.register_script(ACCESS)
-    reply: list[Any] = await script(keys=[api_key_key(caller.key_hash)], args=[*_PREFIXES, name])
+    key_name = api_key_key(caller.key_hash)
+    reply: list[Any] = await script(keys=[key_name], args=[*ACCESS_PREFIXES, name])
     if len(reply) < 2 or reply[1] is None:
         raise refused()
     key = _key_record(reply[0])
@@ -178,4 +214,47 @@ async def check(redis: Redis, caller: Caller, name: str = "") -> Access:
         resolved = resolution(name, target, bool(granted), raw, bool(retired_))
     except UnreadableAlias as unreadable:
         return Access(tenant, name, unreadable=unreadable)
-    return Access(tenant, name, resolved)
+    access = Access(tenant, name, resolved)
+    if keep and resolved is not None and not resolved.retired:
+        kept = _recalled.get(redis)
+        if kept is None:
+            kept = _recalled[redis] = OrderedDict()
+        recalled = Recalled(key_name, name, witness(reply))
+        kept[caller.key_hash, name] = _Kept(access, recalled, key.expires_at)
+        kept.move_to_end((caller.key_hash, name))
+        while len(kept) > RECALLED:
+            kept.popitem(last=False)
+    return access
+
+
+async def recall(redis: Redis, caller: Caller, name: str, timeout_s: float) -> Access:
+    """``check`` for a request that admits a job naming ``name``: an access this process read
+    before and that admitted is recalled instead of read (no round trip; ``Unconfirmed``,
+    whose witness the admission checks), unless the key's own expiry has passed; else it is
+    read (within ``timeout_s``) and kept."""
+    kept = _recalled.get(redis)
+    entry = kept.get((caller.key_hash, name)) if kept is not None and name else None
+    if entry is not None:
+        assert kept is not None
+        if entry.expires_at is None or entry.expires_at > datetime.now(tz=UTC):
+            kept.move_to_end((caller.key_hash, name))
+            sentry_sdk.set_tag("tenant", entry.access.tenant.name)
+            unconfirmed = Unconfirmed(entry.recalled, caller, redis, timeout_s)
+            access = entry.access
+            return Access(access.tenant, name, access.resolved, unconfirmed=unconfirmed)
+        del kept[caller.key_hash, name]
+    async with asyncio.timeout(timeout_s):
+        return await check(redis, caller, name, keep=True)
+
+
+def forget(redis: Redis, caller: Caller, name: str) -> None:
+    """Recall ``caller``'s access to ``name`` no more (the admission found it changed)."""
+    kept = _recalled.get(redis)
+    if kept is not None:
+        kept.pop((caller.key_hash, name), None)
+
+
+def recalled_accesses(redis: Redis) -> int:
+    """How many accesses this process keeps to recall for ``redis``."""
+    kept = _recalled.get(redis)
+    return 0 if kept is None else len(kept)

@@ -15,14 +15,12 @@ from redis.exceptions import RedisError
 
 from contracts.errors import ErrorCode
 from contracts.tenants import KEY_PREFIX, TenantRecord, key_hash
-from gateway.access import Access, Caller, check, refused
+from gateway.access import NOT_AUTHENTICATED, Access, Caller, check, recall, refused
 from gateway.deps import RedisDep, SettingsDep
-from gateway.errors import ApiError, unavailable
+from gateway.errors import UNCONFIRMED, ApiError, unavailable
 from gateway.json_bodies import PARSED
 
 _bearer = HTTPBearer(auto_error=False, description="A tenant API key: `lf_<id>_<secret>`.")
-
-_NOT_AUTHENTICATED = "The request could not be authenticated: {what} ({exc}); retry."
 
 
 async def caller(
@@ -46,7 +44,7 @@ async def authenticate(
         async with asyncio.timeout(settings.request_timeout_s):
             return (await check(redis, presented)).tenant
     except (RedisError, OSError, TimeoutError) as exc:
-        raise unavailable("the key store is unreachable", exc, _NOT_AUTHENTICATED) from exc
+        raise unavailable("the key store is unreachable", exc, NOT_AUTHENTICATED) from exc
 
 
 def _access_to(field: str) -> Callable[..., Awaitable[Access]]:
@@ -55,14 +53,21 @@ def _access_to(field: str) -> Callable[..., Awaitable[Access]]:
     ) -> Access:
         # Dependencies run before FastAPI validates the body: a bad key is 401 whatever the
         # body holds. The name comes from the body as the strict-JSON middleware parsed it
-        # (a body FastAPI then refuses answers 422, whatever was resolved here).
+        # (a body FastAPI then refuses answers 422, whatever was resolved here). An access
+        # recalled, not read, is confirmed before any error is answered (``UNCONFIRMED``,
+        # read by the error handlers) unless its admission checked it first.
         body = request.scope.get("state", {}).get(PARSED)
         name = body.get(field) if isinstance(body, dict) else None
         try:
-            async with asyncio.timeout(settings.request_timeout_s):
-                return await check(redis, presented, name if isinstance(name, str) else "")
+            if not isinstance(name, str) or not name:
+                async with asyncio.timeout(settings.request_timeout_s):
+                    return await check(redis, presented)
+            access = await recall(redis, presented, name, settings.request_timeout_s)
         except (RedisError, OSError, TimeoutError) as exc:
-            raise unavailable("the key store is unreachable", exc, _NOT_AUTHENTICATED) from exc
+            raise unavailable("the key store is unreachable", exc, NOT_AUTHENTICATED) from exc
+        if access.unconfirmed is not None:
+            setattr(request.state, UNCONFIRMED, access.unconfirmed)
+        return access
 
     return admission_access
 

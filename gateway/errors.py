@@ -8,7 +8,7 @@ usual exception types and our own clients branch on ``code``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -134,10 +134,31 @@ def error_response(
     return JSONResponse(content, status_code=status_code, headers=headers)
 
 
-async def _api_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, ApiError)
+UNCONFIRMED = "unconfirmed_access"
+"""``request.state`` attribute: the request's access was recalled, not read, and no admission
+has checked it yet (``gateway.access.Unconfirmed``); an error is answered only once the key
+is confirmed."""
+
+
+class _Confirmable(Protocol):
+    async def refusal(self) -> ApiError | None: ...
+
+
+async def _key_refusal(request: Request) -> ApiError | None:
+    """The 401 (or 503) to answer instead of an error, if the request's recalled access has a
+    key that no longer holds (``UNCONFIRMED``)."""
+    pending: _Confirmable | None = getattr(request.state, UNCONFIRMED, None)
+    return None if pending is None else await pending.refusal()
+
+
+def _answer(exc: ApiError) -> JSONResponse:
     body = ErrorBody(code=exc.code, message=exc.message, details=exc.details)
     return error_response(exc.status_code, body, exc.headers, exc.param)
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return _answer(await _key_refusal(request) or exc)
 
 
 def problem(item: Mapping[str, Any], empty: str = "body") -> tuple[str, str]:
@@ -154,8 +175,11 @@ def invalid(exc: ValidationError) -> ApiError:
     )
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
+    refusal = await _key_refusal(request)
+    if refusal is not None:
+        return _answer(refusal)
     details: list[dict[str, object]] = []
     for item in exc.errors():
         inside = {**item, "loc": [part for part in item.get("loc", ()) if part != "body"]}
@@ -173,6 +197,9 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     """The framework's own refusals (no such route, wrong method, a body it could not
     parse) in our envelope; any other 4xx it raises is a request we cannot read."""
     assert isinstance(exc, HTTPException)
+    refusal = await _key_refusal(request)
+    if refusal is not None:
+        return _answer(refusal)
     headers = dict(exc.headers) if exc.headers else None
     if exc.status_code == 404:
         message = f"No route {shown(request.url.path)}; see /openapi.json for the API."

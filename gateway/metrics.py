@@ -50,6 +50,13 @@ class GatewayMetrics:
             ["adapter"],
             registry=r,
         )
+        self.access_recalls = Counter(
+            names.ACCESS_RECALLS,
+            "Admissions whose access was recalled, not read, by what the admission found: "
+            "held (unchanged), changed (read again).",
+            ["outcome"],
+            registry=r,
+        )
         self.routing = Counter(
             names.ROUTING_DECISIONS,
             "Jobs routed at admission, by tier and decision (resident, placed: to a copy being "

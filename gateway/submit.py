@@ -32,7 +32,7 @@ from contracts.queues import Tier, queue_for
 from contracts.tenants import TenantRecord
 from contracts.webhooks import WebhookTarget
 from gateway import job_store
-from gateway.access import Access, Caller, check
+from gateway.access import Access, Caller, Unconfirmed, check, forget
 from gateway.config import GatewaySettings
 from gateway.errors import ADMISSION_TIMED_OUT, ApiError, unavailable
 from gateway.idempotency import IdempotencyKeys, Reservation
@@ -140,18 +140,27 @@ class Submitter:
 
         Redis and the broker get ``request_timeout_s`` in all: past it the answer is 503.
         """
+        job_id = job_id or uuid.uuid4().hex
         async with self.bounded(self._settings.request_timeout_s):
             if access.name != request.adapter:
                 raise RuntimeError(f"access resolved {access.name!r}, not {request.adapter!r}")
-            resolved = access.admissible()
-            admitted, reserved = await self._submit(
-                access.tenant,
-                resolved,
-                request,
-                idempotency,
-                job_id or uuid.uuid4().hex,
-                reply_to,
-            )
+            unconfirmed = access.unconfirmed
+            try:
+                admitted, reserved = await self._submit(
+                    access.tenant,
+                    access.admissible(),
+                    request,
+                    idempotency,
+                    job_id,
+                    reply_to,
+                    unconfirmed,
+                )
+            except admission.AccessChanged:
+                assert unconfirmed is not None
+                access = await self._reread(unconfirmed)
+                admitted, reserved = await self._submit(
+                    access.tenant, access.admissible(), request, idempotency, job_id, reply_to
+                )
         if not admitted.replayed:
             self.metrics.admitted_job(admitted.job.tier, admitted.job.adapter)
             if self.popularity is not None:
@@ -159,6 +168,19 @@ class Submitter:
         if reserved is not None and idempotency is not None:
             await self.key_done(reserved, idempotency, admitted.job.id)
         return admitted
+
+    async def _reread(self, unconfirmed: Unconfirmed) -> Access:
+        """The access a recalled one became: read again (and kept, replacing the one that
+        changed); its key is then confirmed, admitted or refused (401)."""
+        recalled = unconfirmed.recalled
+        forget(self._redis, unconfirmed.caller, recalled.name)
+        try:
+            access = await check(self._redis, unconfirmed.caller, recalled.name, keep=True)
+        except ApiError:
+            unconfirmed.confirmed = True
+            raise
+        unconfirmed.confirmed = True
+        return access
 
     async def reserve_key(
         self, tenant: TenantRecord, idempotency: Idempotency, admits: str
@@ -206,9 +228,11 @@ class Submitter:
         idempotency: Idempotency | None,
         job_id: str,
         reply_to: str | None,
+        unconfirmed: Unconfirmed | None = None,
     ) -> tuple[Admitted, IdempotencyKeys | None]:
         """The admitted job, and the idempotency reservation to mark done if this request
-        made one."""
+        made one. ``unconfirmed``: the caller's access was recalled: the admission checks it
+        (``AccessChanged`` if it changed: nothing written, the reservation released)."""
         prepared = await self.prepare(request, resolved)
         sentry_sdk.set_tags(
             {"adapter": prepared.resolved.record.alias, "revision": prepared.resolved.record.digest}
@@ -220,13 +244,18 @@ class Submitter:
         if idempotency is not None:
             keys, reservation = await self.reserve_key(tenant, idempotency, job_id)
             if not reservation.owned:
+                # An earlier request's job, answered to a key no admission checked: confirmed
+                # first.
+                refusal = None if unconfirmed is None else await unconfirmed.refusal()
+                if refusal is not None:
+                    raise refusal
                 return await self._replay(tenant, reservation), None
         job, message = self.job(tenant, prepared, job_id)
         # A refusal frees the key at once, a withdrawal once it is done (``_admit``); while
         # the admission's fate is unknown a retry waits for the reservation to lapse rather
         # than admit the job a second time.
         with self.settling([message]):
-            await self._admit(tenant, job, message, keys, reply_to)
+            await self._admit(tenant, job, message, keys, reply_to, unconfirmed)
         return Admitted(job=job, replayed=False), keys
 
     @contextlib.contextmanager
@@ -242,7 +271,7 @@ class Submitter:
         try:
             yield
         except BaseException as exc:
-            refused = isinstance(exc, ApiError)
+            refused = isinstance(exc, NOTHING_WRITTEN)
             for m in messages:
                 router.settle(m.job_id, m.tier, m.routed, admitted=False, refused=refused)
             raise
@@ -443,10 +472,13 @@ class Submitter:
         message: JobMessage,
         idempotency: IdempotencyKeys | None,
         reply_to: str | None,
+        unconfirmed: Unconfirmed | None = None,
     ) -> None:
         """Ledger, record and queue message in one script (a broker of its own gets the
         message next: a failed push withdraws the admission, and so does a lost reply; the
-        idempotency reservation is released once the withdrawal is done)."""
+        idempotency reservation is released once the withdrawal is done). ``unconfirmed``:
+        the script checks the recalled access first (``AccessChanged``: nothing written, the
+        reservation released)."""
         limits = self.limits(tenant, job.tier)
         expires_at = message.deadline_at + admission.LEDGER_GRACE_S
         encoded = job_message(message)
@@ -462,8 +494,19 @@ class Submitter:
                 routed=(message.routed.worker, encoded) if message.routed else None,
                 stream=message.stream,
                 reply_to=reply_to,
+                recalled=None if unconfirmed is None else unconfirmed.recalled,
             )
-            verdict = admission.verdict(await self._admit_script(keys=keys, args=args))
+            try:
+                verdict = admission.verdict(await self._admit_script(keys=keys, args=args))
+            except admission.AccessChanged:
+                self.metrics.access_recalls.labels("changed").inc()
+                if idempotency is not None:
+                    with contextlib.suppress(RedisError, OSError):
+                        await idempotency.release(job.id)
+                raise
+            if unconfirmed is not None:  # the script read the key and found it unchanged
+                unconfirmed.confirmed = True
+                self.metrics.access_recalls.labels("held").inc()
             if verdict.refusal is not None:
                 if idempotency is not None:  # also when its request was cut short meanwhile
                     with contextlib.suppress(RedisError, OSError):
@@ -514,6 +557,10 @@ def _too_long(tokens: str, max_tokens: int, context: int) -> ApiError:
     )
 
 
+NOTHING_WRITTEN = (ApiError, admission.AccessChanged)
+"""What an admission script raises when it wrote nothing: a refusal, or a recalled access
+that changed."""
+
 UNDO_WAIT_S = 30.0
 """How long an admission cut short may take to finish before it is withdrawn regardless."""
 
@@ -545,7 +592,7 @@ async def admit_then_enqueue(
     except asyncio.CancelledError:
         _in_background(_undo_after(admitted, withdraw))
         raise
-    except ApiError:
+    except NOTHING_WRITTEN:
         raise  # refused: nothing was written
     except BaseException:
         # Its reply lost (a timeout, a dropped connection): the script may have run.
@@ -579,7 +626,7 @@ async def _undo_after(
         refused = (
             admitting.done()
             and not admitting.cancelled()
-            and isinstance(admitting.exception(), ApiError)
+            and isinstance(admitting.exception(), NOTHING_WRITTEN)
         )
         if refused:
             return  # nothing was admitted

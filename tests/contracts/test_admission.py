@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from datetime import UTC, datetime
@@ -22,14 +23,20 @@ from contracts.job_records import (
 )
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import (
+    RETIRED_INDEX,
     STREAM_OPENED,
     STREAM_OPENED_ID,
+    adapter_key,
+    api_key_key,
     batch_jobs_key,
     batch_key,
+    channel_key,
+    grants_key,
     job_key,
     queue_ledger_key,
     rate_key,
     stream_key,
+    tenant_key,
     tenant_ledger_key,
 )
 from contracts.queues import Tier, queue_for
@@ -292,3 +299,93 @@ def test_a_batch_over_two_base_models_counts_each_in_its_own_pool_queue(redis: R
         assert _held(redis, tenant) == 0
     finally:
         redis.delete(ours, theirs)
+
+
+def _access_keys(redis: Redis) -> tuple[str, str, str, str]:
+    """A key of a new tenant granted ``name``, a channel to an adapter's record (texts the
+    scripts only compare, but the key's names its tenant); ``(tenant, key's key, name, alias)``."""
+    tenant, name, alias = (f"{what}-{uuid.uuid4().hex[:8]}" for what in ("t", "ch", "a"))
+    key = api_key_key(uuid.uuid4().hex)
+    redis.set(key, json.dumps({"tenant": tenant, "key_id": "k"}))
+    redis.set(tenant_key(tenant), json.dumps({"name": tenant}))
+    redis.sadd(grants_key(tenant), name)
+    redis.set(channel_key(name), alias)
+    redis.set(adapter_key(alias), json.dumps({"alias": alias}))
+    return tenant, key, name, alias
+
+
+def _read_access(redis: Redis, key: str, name: str) -> admission.Recalled:
+    script = redis.register_script(admission.READ_ACCESS_LUA + ACCESS_RETURN)
+    reply = script(keys=[key], args=[*admission.ACCESS_PREFIXES, name])
+    assert len(reply) == admission.ACCESS_READS and reply[3] == 1 and reply[5] == 0, reply
+    return admission.Recalled(key, name, admission.witness(reply))
+
+
+ACCESS_RETURN = "return read_access(KEYS[1], {unpack(ARGV, 1, 6)}, ARGV[7])"
+
+
+def _admit_recalled(redis: Redis, job: JobPublic, recalled: admission.Recalled) -> None:
+    keys, args = admission.admit_call(job, time.time() + 3600, LIMITS, 60, recalled=recalled)
+    admission.verdict(redis.register_script(admission.ADMIT)(keys=keys, args=args))
+
+
+def test_a_recalled_access_is_admitted_only_while_every_value_read_is_unchanged(
+    redis: Redis,
+) -> None:
+    tenant, key, name, _ = _access_keys(redis)
+    recalled = _read_access(redis, key, name)
+    for at in range(admission.ACCESS_READS):
+        for other in ("", "=other"):
+            witness = list(recalled.witness)
+            witness[at] = other
+            job = _job(tenant)
+            with pytest.raises(admission.AccessChanged):
+                _admit_recalled(redis, job, admission.Recalled(key, name, tuple(witness)))
+            assert not redis.exists(job_key(job.id)), (at, other)
+    assert _held(redis, tenant) == 0
+    assert not redis.exists(rate_key(tenant))  # no token taken either
+    job = _job(tenant)
+    _admit_recalled(redis, job, recalled)
+    assert redis.hget(job_key(job.id), "status") == "queued" and _held(redis, tenant) == 1
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "key revoked",
+        "key rotated",
+        "tenant record",
+        "grant revoked",
+        "channel moved",
+        "adapter record",
+        "alias retired",
+    ],
+)
+def test_each_change_to_what_an_access_read_refuses_its_recalled_admission(
+    redis: Redis, change: str
+) -> None:
+    tenant, key, name, alias = _access_keys(redis)
+    recalled = _read_access(redis, key, name)
+    if change == "key revoked":
+        redis.delete(key)
+    elif change == "key rotated":
+        redis.set(key, json.dumps({"tenant": tenant, "key_id": "k", "expires_at": "soon"}))
+    elif change == "tenant record":
+        redis.set(tenant_key(tenant), json.dumps({"name": tenant, "limits": {"burst": 1}}))
+    elif change == "grant revoked":
+        redis.srem(grants_key(tenant), name)
+    elif change == "channel moved":
+        another = f"a-{uuid.uuid4().hex[:8]}"
+        redis.set(channel_key(name), another)
+        redis.set(adapter_key(another), json.dumps({"alias": alias}))  # the same text
+    elif change == "adapter record":
+        redis.set(adapter_key(alias), json.dumps({"alias": alias, "tier": "cold"}))
+    else:
+        redis.sadd(RETIRED_INDEX, alias)
+    job = _job(tenant)
+    try:
+        with pytest.raises(admission.AccessChanged):
+            _admit_recalled(redis, job, recalled)
+        assert not redis.exists(job_key(job.id)) and _held(redis, tenant) == 0
+    finally:
+        redis.srem(RETIRED_INDEX, alias)

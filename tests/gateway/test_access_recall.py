@@ -1,0 +1,314 @@
+"""A recalled access (``gateway.access.recall``): an admission whose caller's access this
+gateway read before reads none, and the admission script checks it; every change still
+applies on the next request, and a key that no longer holds is 401 whatever the body holds.
+Through HTTP against a gateway with real Redis; the commands it sends are watched with
+``MONITOR``."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from redis import Redis
+
+from contracts import admission
+from contracts.errors import ErrorCode
+from contracts.keys import api_key_key, tenant_key
+from contracts.registry import AdapterRecord
+from contracts.tenants import ApiKeyRecord, TenantLimits, key_hash
+from gateway.access import ACCESS
+from lorafleet.client import auth_headers
+from lorafleet.registry import Registry
+from lorafleet.tenants import Tenants
+from tests.gateway.conftest import PRIVATE_DB, admitted_state
+
+ACCESS_SHA = hashlib.sha1(ACCESS.encode()).hexdigest()
+ADMIT_SHA = hashlib.sha1(admission.ADMIT.encode()).hexdigest()
+
+
+def _job(adapter: str, prompt: str = "hello", **extra: Any) -> dict[str, Any]:
+    return {"adapter": adapter, "prompt": prompt, "sampling": {"max_tokens": 4}, **extra}
+
+
+@contextmanager
+def _scripts_called(redis: Redis) -> Iterator[list[str]]:
+    """The access and admission scripts run on the private database while the block runs, by
+    SHA (``MONITOR`` sees every database; only ``PRIVATE_DB``'s are kept)."""
+    called: list[str] = []
+    ready, stop = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        with redis.monitor() as monitor:
+            ready.set()
+            for command in monitor.listen():
+                words = command["command"].split()
+                ours = words[0] == "EVALSHA" and words[1] in (ACCESS_SHA, ADMIT_SHA)
+                if ours and command["db"] == PRIVATE_DB:
+                    called.append(words[1])
+                if stop.is_set() and "lorafleet:monitor-end" in command["command"]:
+                    return
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    redis.ping()  # the monitor's connection is subscribed once a command goes by
+    try:
+        yield called
+    finally:
+        stop.set()
+        redis.get("lorafleet:monitor-end")  # seen by the monitor after everything before it
+        thread.join(10)
+        assert not thread.is_alive(), "MONITOR did not see the end marker"
+
+
+def _recalls(http: httpx.Client) -> dict[str, float]:
+    families = text_string_to_metric_families(http.get("/metrics").text)
+    return {"held": 0.0, "changed": 0.0} | {
+        sample.labels["outcome"]: sample.value
+        for family in families
+        if family.name == "lorafleet_access_recalls"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+@pytest.fixture
+def tenant(private_redis: Redis) -> Callable[..., tuple[str, str]]:
+    """``tenant(name, *grants)``: a new tenant with those grants; ``(name, key)``."""
+
+    def make(name: str, *grants: str) -> tuple[str, str]:
+        tenants = Tenants(private_redis)
+        _, key = tenants.create(name, TenantLimits())
+        for grant in grants:
+            tenants.grant(name, grant)
+        return name, key
+
+    return make
+
+
+def test_a_second_admission_reads_no_access_and_its_admission_checks_the_recalled_one(
+    private_gateway: Callable[..., Any],
+    tenant: Callable[..., tuple[str, str]],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    alias = sorted(published)[0]
+    _, key = tenant("acme", alias)
+    for script in (ACCESS, admission.ADMIT):  # each EVALSHA then runs at once (no NOSCRIPT)
+        private_redis.script_load(script)
+    with (
+        private_gateway(metrics_public=True) as url,
+        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
+    ):
+        with _scripts_called(private_redis) as first:
+            assert http.post("/v1/jobs", json=_job(alias)).status_code == 202
+        with _scripts_called(private_redis) as then:
+            for _ in range(3):
+                assert http.post("/v1/jobs", json=_job(alias)).status_code == 202
+        assert first == [ACCESS_SHA, ADMIT_SHA]
+        assert then == [ADMIT_SHA] * 3  # one round trip a job: no access read
+        assert _recalls(http) == {"held": 3.0, "changed": 0.0}
+        assert admitted_state(private_redis, "acme")["records"] == 4
+
+
+def _revoke_key(redis: Redis, tenant: str, _: str, __: dict[str, AdapterRecord]) -> None:
+    tenants = Tenants(redis)
+    (listed,) = tenants.keys(tenant)
+    tenants.revoke(tenant, listed.key_id)
+
+
+def _revoke_grant(redis: Redis, tenant: str, alias: str, _: dict[str, AdapterRecord]) -> None:
+    assert Tenants(redis).revoke_grant(tenant, alias)
+
+
+def _retire(redis: Redis, _: str, alias: str, __: dict[str, AdapterRecord]) -> None:
+    Registry(redis).retire(alias)
+
+
+def _delete_tenant_record(redis: Redis, tenant: str, _: str, __: dict[str, AdapterRecord]) -> None:
+    redis.delete(tenant_key(tenant))
+
+
+@pytest.mark.parametrize(
+    ("change", "status", "code"),
+    [
+        (_revoke_key, 401, ErrorCode.UNAUTHORIZED),
+        (_delete_tenant_record, 401, ErrorCode.UNAUTHORIZED),
+        (_revoke_grant, 404, ErrorCode.ADAPTER_NOT_FOUND),
+        (_retire, 410, ErrorCode.ADAPTER_RETIRED),
+    ],
+    ids=["key revoked", "tenant gone", "grant revoked", "alias retired"],
+)
+def test_a_change_to_a_recalled_access_refuses_the_next_request_and_writes_nothing(
+    private_gateway: Callable[..., Any],
+    tenant: Callable[..., tuple[str, str]],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+    change: Callable[[Redis, str, str, dict[str, AdapterRecord]], None],
+    status: int,
+    code: ErrorCode,
+) -> None:
+    alias = sorted(published)[1]
+    name, key = tenant("acme", alias)
+    with (
+        private_gateway(metrics_public=True) as url,
+        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
+    ):
+        assert http.post("/v1/jobs", json=_job(alias)).status_code == 202  # read
+        assert http.post("/v1/jobs", json=_job(alias)).status_code == 202  # recalled: held
+        before = admitted_state(private_redis, name)
+        change(private_redis, name, alias, published)
+        refused = http.post("/v1/jobs", json=_job(alias))
+        assert refused.status_code == status, refused.text
+        assert refused.json()["error"]["code"] == code.value
+        assert admitted_state(private_redis, name) == before
+        recalls = _recalls(http)
+        assert recalls == {"held": 1.0, "changed": 1.0}, recalls
+
+
+def test_a_moved_channel_and_new_limits_apply_on_the_next_request_read_again(
+    private_gateway: Callable[..., Any],
+    tenant: Callable[..., tuple[str, str]],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    first, second = sorted(published)[:2]
+    registry, tenants = Registry(private_redis), Tenants(private_redis)
+    registry.set_channel("prod", first)
+    name, key = tenant("acme", "prod")
+    with (
+        private_gateway(metrics_public=True) as url,
+        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
+    ):
+        for _ in range(2):
+            accepted = http.post("/v1/jobs", json=_job("prod", deadline_s=600))
+            assert accepted.status_code == 202 and accepted.json()["adapter"] == first
+        registry.set_channel("prod", second)
+        idempotent = {"Idempotency-Key": "after-the-move"}
+        moved = http.post("/v1/jobs", json=_job("prod", deadline_s=600), headers=idempotent)
+        assert moved.status_code == 202 and moved.json()["adapter"] == second
+        assert moved.json()["revision"] == published[second].digest
+        # Its idempotency key was reserved, freed by the refused first try, and taken again:
+        # the replay answers the job that was admitted, the only one.
+        replay = http.post("/v1/jobs", json=_job("prod", deadline_s=600), headers=idempotent)
+        assert replay.status_code == 200 and replay.json()["id"] == moved.json()["id"]
+        assert admitted_state(private_redis, name)["records"] == 3
+        assert _recalls(http) == {"held": 1.0, "changed": 1.0}
+
+        tenants.set_limits(name, TenantLimits(max_concurrent=3))
+        refused = http.post("/v1/jobs", json=_job("prod"))
+        assert refused.status_code == 429, refused.text
+        assert "may hold 3 unfinished jobs" in refused.json()["error"]["message"]
+        assert admitted_state(private_redis, name)["records"] == 3
+        assert _recalls(http) == {"held": 1.0, "changed": 2.0}
+
+
+def test_a_rotated_key_recalled_in_its_grace_is_read_again_and_refused_at_its_end(
+    private_gateway: Callable[..., Any],
+    tenant: Callable[..., tuple[str, str]],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    alias = sorted(published)[0]
+    name, key = tenant("acme", alias)
+    tenants = Tenants(private_redis)
+    with (
+        private_gateway(metrics_public=True) as url,
+        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
+    ):
+        assert http.post("/v1/jobs", json=_job(alias)).status_code == 202
+        (listed,) = tenants.keys(name)
+        tenants.rotate(name, listed.key_id, grace_s=3)
+        # Its record changed (it now ends): read again, admitted, kept with its end.
+        assert http.post("/v1/jobs", json=_job(alias)).status_code == 202
+        assert _recalls(http) == {"held": 0.0, "changed": 1.0}
+        # Redis drops the record at the end of the grace (``EXPIRE``, whole seconds); here it
+        # outlives its end, as it may for up to a second: the gateway's own check of the end
+        # it kept refuses it (the admission would find the record unchanged).
+        hashed = api_key_key(key_hash(key))
+        private_redis.expire(hashed, 120)
+        ending = ApiKeyRecord.model_validate_json(str(private_redis.get(hashed)))
+        assert ending.expires_at is not None
+        while datetime.now(tz=UTC) < ending.expires_at:
+            time.sleep(0.1)
+        before = admitted_state(private_redis, name)
+        refused = http.post("/v1/jobs", json=_job(alias))
+        assert refused.status_code == 401
+        assert admitted_state(private_redis, name) == before
+        assert _recalls(http) == {"held": 0.0, "changed": 1.0}
+
+
+INVALID = [
+    ("/v1/jobs", {"sampling": {"max_tokens": 0}}),
+    ("/v1/jobs", {"prompt": "hello " * 3000}),  # past the context: refused by the route
+    ("/v1/jobs", {"deadline_s": 10**9}),
+    ("/v1/completions", {"max_tokens": -1}),
+    ("/v1/completions", {"n": 2}),
+]
+
+
+def _body(path: str, alias: str, bad: dict[str, Any]) -> dict[str, Any]:
+    if path == "/v1/jobs":
+        return _job(alias) | bad
+    return {"model": alias, "prompt": "hello", "max_tokens": 4} | bad
+
+
+@pytest.mark.parametrize(("path", "bad"), INVALID, ids=[str(b)[:30] for _, b in INVALID])
+def test_a_revoked_key_recalled_is_401_whatever_the_body_holds(
+    private_gateway: Callable[..., Any],
+    tenant: Callable[..., tuple[str, str]],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+    path: str,
+    bad: dict[str, Any],
+) -> None:
+    alias = sorted(published)[0]
+    name, key = tenant("acme", alias)
+    with (
+        private_gateway(metrics_public=True) as url,
+        httpx.Client(base_url=url, headers=auth_headers(key), timeout=60) as http,
+    ):
+        good = _body("/v1/jobs", alias, {})
+        assert http.post("/v1/jobs", json=good).status_code == 202
+        invalid = http.post(path, json=_body(path, alias, bad))
+        assert invalid.status_code == 422, invalid.text  # a good key: the body's own error
+        (listed,) = Tenants(private_redis).keys(name)
+        Tenants(private_redis).revoke(name, listed.key_id)
+        before = admitted_state(private_redis, name)
+        refused = http.post(path, json=_body(path, alias, bad))
+        assert refused.status_code == 401, refused.text
+        assert refused.json()["error"]["code"] == "unauthorized"
+        assert refused.headers["WWW-Authenticate"] == "Bearer"
+        assert admitted_state(private_redis, name) == before
+
+
+def test_an_idempotency_replay_to_a_revoked_key_recalled_is_401(
+    private_gateway: Callable[..., Any],
+    tenant: Callable[..., tuple[str, str]],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    alias = sorted(published)[0]
+    name, key = tenant("acme", alias)
+    idempotent = {"Idempotency-Key": "once"}
+    with (
+        private_gateway(metrics_public=True) as url,
+        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
+    ):
+        first = http.post("/v1/jobs", json=_job(alias), headers=idempotent)
+        assert first.status_code == 202
+        replay = http.post("/v1/jobs", json=_job(alias), headers=idempotent)
+        assert replay.status_code == 200 and replay.json()["id"] == first.json()["id"]
+        (listed,) = Tenants(private_redis).keys(name)
+        Tenants(private_redis).revoke(name, listed.key_id)
+        refused = http.post("/v1/jobs", json=_job(alias), headers=idempotent)
+        assert refused.status_code == 401, refused.text
+        assert admitted_state(private_redis, name)["records"] == 1
