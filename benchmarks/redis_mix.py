@@ -1,10 +1,11 @@
 """The Redis traffic of one job, as each side sends it: what ``redis_capacity.py`` replays.
 
 Written from the code as of ``59e450c`` (``benchmarks/REDIS_CLUSTER.md``, "What one job
-costs now"), round trip by round trip: the gateway's access script (``gateway.access.ACCESS``),
-``ADMIT`` (or ``ADMIT_BATCH``) with the jobs' task messages, the long-poll's and the results'
-reads; the worker's kombu receipt, claim, terminal write, ack and held-delivery writes. The
-scripts, their argument builders and the task message are the project's own
+costs now"), round trip by round trip: the gateway's access script (``gateway.access.ACCESS``;
+since ``a0fc676`` not before a ``POST /v1/jobs``, whose access is recalled and checked inside
+``ADMIT``), ``ADMIT`` (or ``ADMIT_BATCH``) with the jobs' task messages, the long-poll's and
+the results' reads; the worker's kombu receipt, claim, terminal write, ack and held-delivery
+writes. The scripts, their argument builders and the task message are the project's own
 (``gateway.access``, ``contracts.admission``, ``contracts.job_records``,
 ``gateway.queue.job_message``), so a change inside a script is replayed as it is; a change in
 what the services send (fewer round trips, merged scripts) is made here.
@@ -150,16 +151,20 @@ class Fixture:
             created_at=now,
         )
         self.queue = queue_for(self.record.tier, self.base.digest)
-        redis.set(
-            api_key_key(self.key_hash),
-            ApiKeyRecord(key_id="k1", tenant=self.TENANT, created_at=now).model_dump_json(),
-        )
-        redis.set(
-            tenant_key(self.TENANT),
-            TenantRecord(name=self.TENANT, created_at=now).model_dump_json(),
-        )
+        key = ApiKeyRecord(key_id="k1", tenant=self.TENANT, created_at=now).model_dump_json()
+        tenant = TenantRecord(name=self.TENANT, created_at=now).model_dump_json()
+        adapter = self.record.model_dump_json()
+        redis.set(api_key_key(self.key_hash), key)
+        redis.set(tenant_key(self.TENANT), tenant)
         redis.sadd(grants_key(self.TENANT), ALL_ADAPTERS)
-        redis.set(adapter_key(self.ALIAS), self.record.model_dump_json())
+        redis.set(adapter_key(self.ALIAS), adapter)
+        # What ``ACCESS`` reads of them (no channel, granted by ``*``, not retired): the
+        # witness of the access a gateway recalls (``gateway.access.recall``).
+        self.recalled = admission.Recalled(
+            api_key_key(self.key_hash),
+            self.ALIAS,
+            admission.witness([key, tenant, None, 1, adapter, 0]),
+        )
 
     def message(self, job_id: str, tag: str, at: float) -> str:
         """The task message the gateway writes for the job (``gateway.queue.job_message``),
@@ -307,17 +312,23 @@ class Fixture:
 
     def jobs_api(self, job_ids: list[str], tags: list[str], inline: bool) -> list[Trip]:
         """For each job, ``POST /v1/jobs`` and the long-poll ``GET``'s first read; the
-        worker's run of them all; then each long-poll's read when the job's event wakes it."""
+        worker's run of them all; then each long-poll's read when the job's event wakes it.
+        The ``POST``'s access is recalled (its gateway read it before: no ``ACCESS``, the
+        admission checks it), as for every request of a key after its process's first."""
         trips, received = [], []
         for job_id, tag in zip(job_ids, tags, strict=True):
             queued, _, _ = self.lifecycle(job_id)
             message = self.message(job_id, tag, queued.created_at.timestamp())
             expires_at = queued.created_at.timestamp() + DEADLINE_S + admission.LEDGER_GRACE_S
             admit = admission.admit_call(
-                queued, expires_at, LIMITS, TTL_S, message=message if inline else None
+                queued,
+                expires_at,
+                LIMITS,
+                TTL_S,
+                message=message if inline else None,
+                recalled=self.recalled,
             )
             trips += [
-                self.access(self.ALIAS),
                 Trip.of("gateway", script(admission.ADMIT, *admit)),
                 *self.publish([] if inline else [message]),
                 self.access(),

@@ -189,7 +189,9 @@ if ARGV[11] ~= '' then redis.call('LPUSH', KEYS[6], ARGV[11]) end
 return {'admitted', '0'}
 """
 )
-"""Admit one job: check the tier, tenant and rate limits, and only if all pass take its
+"""Admit one job: with a recalled access (``Recalled``: ``KEYS[9]``, ``ARGV[15..27]``),
+first check that what decides it is unchanged (``changed``, nothing written, if not); check
+the tier, tenant and rate limits, and only if all pass take its
 ledger slots and a token, write its record, open its stream if its caller streams
 (``STREAM_OPENED``, kept as long as the record or ``STREAM_TTL_S``, the shorter) and, when the
 queue lives in the same Redis, push its message (``contracts.task_messages``): admitted and

@@ -2,10 +2,10 @@
 
 A bearer API key resolves to a tenant, or the request is refused (401). An admission asks in
 the same script whether the tenant is granted the name it used and what the name resolves to
-(``gateway.registry``), so a job costs one read before it is admitted. What is kept is the
-parse of a record's exact text (``PARSED``): the same key and tenant records arrive with
-every request of a tenant (with the adapter's, ``gateway.registry``: 9.7 us a request parsed,
-0.26 us kept, in a micro-benchmark).
+(``gateway.registry``), so a job costs at most one read before it is admitted. What is kept
+of a read is the parse of a record's exact text (``PARSED``): the same key and tenant records
+arrive with every request of a tenant (with the adapter's, ``gateway.registry``: 9.7 us a
+request parsed, 0.26 us kept, in a micro-benchmark).
 
 A request that admits a job need not read its access at all (``recall``): a process keeps the
 named accesses it last read that admit (``RECALLED``), and the admission script checks, in the
@@ -14,9 +14,10 @@ step that admits, that Redis still holds exactly what was read then (``ADMIT``, 
 grant, a moved channel, a retired alias) nothing is written and the gateway reads the access
 again and decides on that. So a revoked key, a retired alias, a moved channel still take
 effect on the next request, in one round trip fewer for every request they do not concern.
-Until the admission has checked it, a recalled access is ``Unconfirmed``: any error answered
-before (an invalid body, a prompt too long, an idempotency replay) first confirms the key, so a
-bad key is 401 whatever the body holds.
+Until the admission has checked it, a recalled access is ``Unconfirmed``: a client error
+answered before (an invalid body, a prompt too long) first confirms the key, so a bad key is
+401 whatever the body holds, and an idempotency replay first reads the access again (a
+server error, 5xx, is answered as it is).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """FastAPI dependencies for who is calling: the presented key (``caller``), its tenant
 (``authenticate``, one round trip: ``gateway.access``), operators only (``operator``), and
 for the routes that admit a job, the tenant with the adapter its body names resolved
-(``JobAccessDep``, ``ModelAccessDep``: the same one round trip)."""
+(``JobAccessDep``, ``ModelAccessDep``: the same one round trip, or none when this process
+read it before: ``gateway.access.recall``, checked by the admission)."""
 
 from __future__ import annotations
 

@@ -136,17 +136,20 @@ def error_response(
 
 UNCONFIRMED = "unconfirmed_access"
 """``request.state`` attribute: the request's access was recalled, not read, and no admission
-has checked it yet (``gateway.access.Unconfirmed``); an error is answered only once the key
-is confirmed."""
+has checked it yet (``gateway.access.Unconfirmed``); a client error (4xx) is answered only
+once the key is confirmed."""
 
 
 class _Confirmable(Protocol):
     async def refusal(self) -> ApiError | None: ...
 
 
-async def _key_refusal(request: Request) -> ApiError | None:
-    """The 401 (or 503) to answer instead of an error, if the request's recalled access has a
-    key that no longer holds (``UNCONFIRMED``)."""
+async def _key_refusal(request: Request, status_code: int) -> ApiError | None:
+    """The 401 (or 503) to answer instead of a client error (4xx), if the request's recalled
+    access has a key that no longer holds (``UNCONFIRMED``). A server error (5xx) is answered
+    as it is: it says nothing of the body, and its bound must not be spent twice."""
+    if status_code >= 500:
+        return None
     pending: _Confirmable | None = getattr(request.state, UNCONFIRMED, None)
     return None if pending is None else await pending.refusal()
 
@@ -158,7 +161,7 @@ def _answer(exc: ApiError) -> JSONResponse:
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return _answer(await _key_refusal(request) or exc)
+    return _answer(await _key_refusal(request, exc.status_code) or exc)
 
 
 def problem(item: Mapping[str, Any], empty: str = "body") -> tuple[str, str]:
@@ -177,7 +180,7 @@ def invalid(exc: ValidationError) -> ApiError:
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    refusal = await _key_refusal(request)
+    refusal = await _key_refusal(request, 422)
     if refusal is not None:
         return _answer(refusal)
     details: list[dict[str, object]] = []
@@ -197,7 +200,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     """The framework's own refusals (no such route, wrong method, a body it could not
     parse) in our envelope; any other 4xx it raises is a request we cannot read."""
     assert isinstance(exc, HTTPException)
-    refusal = await _key_refusal(request)
+    refusal = await _key_refusal(request, exc.status_code)
     if refusal is not None:
         return _answer(refusal)
     headers = dict(exc.headers) if exc.headers else None

@@ -244,11 +244,12 @@ class Submitter:
         if idempotency is not None:
             keys, reservation = await self.reserve_key(tenant, idempotency, job_id)
             if not reservation.owned:
-                # An earlier request's job, answered to a key no admission checked: confirmed
-                # first.
-                refusal = None if unconfirmed is None else await unconfirmed.refusal()
-                if refusal is not None:
-                    raise refusal
+                if unconfirmed is not None and not unconfirmed.confirmed:
+                    # An earlier request's job, answered to an access no admission checked:
+                    # read first, and refused as a fresh read would refuse it (401, 404, 410).
+                    fresh = await self._reread(unconfirmed)
+                    fresh.admissible()
+                    tenant = fresh.tenant
                 return await self._replay(tenant, reservation), None
         job, message = self.job(tenant, prepared, job_id)
         # A refusal frees the key at once, a withdrawal once it is done (``_admit``); while
@@ -262,8 +263,8 @@ class Submitter:
     def settling(self, messages: list[JobMessage]) -> Iterator[None]:
         """Settle the routes of ``messages`` (``job`` chose them; the list may grow inside the
         block) with their admission: admitted if the block completes; refused if it raises
-        ``ApiError`` (a refusal: nothing was written); else of unknown fate (a lost reply, the
-        caller gone), withdrawn in the background."""
+        ``ApiError`` or ``AccessChanged`` (``NOTHING_WRITTEN``); else of unknown fate (a lost
+        reply, the caller gone), withdrawn in the background."""
         router = self._router
         if router is None:
             yield
@@ -576,7 +577,8 @@ async def admit_then_enqueue(
     the queues share its Redis), then publish to a broker of its own, as one unit: both
     happen, or neither is left behind.
 
-    ``admit`` raises ``ApiError`` for a refusal (nothing written). A failed publish withdraws
+    ``admit`` raises ``ApiError`` for a refusal, ``AccessChanged`` for a recalled access that
+    changed (nothing written either way). A failed publish withdraws
     the admission. If the caller is cancelled midway (its request bound ran out, its client
     went away) while the admission runs, the admission goes on out of the caller's way and is
     then withdrawn: a script that ran in Redis while its reply was still on the way must not

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
@@ -23,6 +24,7 @@ from contracts.job_records import (
 )
 from contracts.jobs import JobPublic, JobStatus
 from contracts.keys import (
+    DEADLINES,
     RETIRED_INDEX,
     STREAM_OPENED,
     STREAM_OPENED_ID,
@@ -40,6 +42,7 @@ from contracts.keys import (
     tenant_ledger_key,
 )
 from contracts.queues import Tier, queue_for
+from gateway.access import ACCESS
 
 LIMITS = admission.Limits(tier_max=100, tenant_max=2, rate_per_s=1000.0, burst=1000)
 
@@ -301,9 +304,11 @@ def test_a_batch_over_two_base_models_counts_each_in_its_own_pool_queue(redis: R
         redis.delete(ours, theirs)
 
 
-def _access_keys(redis: Redis) -> tuple[str, str, str, str]:
+@pytest.fixture
+def access_keys(redis: Redis) -> Iterator[tuple[str, str, str, str]]:
     """A key of a new tenant granted ``name``, a channel to an adapter's record (texts the
-    scripts only compare, but the key's names its tenant); ``(tenant, key's key, name, alias)``."""
+    scripts only compare, but the key's names its tenant); ``(tenant, key's key, name, alias)``.
+    All of it removed afterwards from the shared Redis, with whatever its jobs left."""
     tenant, name, alias = (f"{what}-{uuid.uuid4().hex[:8]}" for what in ("t", "ch", "a"))
     key = api_key_key(uuid.uuid4().hex)
     redis.set(key, json.dumps({"tenant": tenant, "key_id": "k"}))
@@ -311,17 +316,29 @@ def _access_keys(redis: Redis) -> tuple[str, str, str, str]:
     redis.sadd(grants_key(tenant), name)
     redis.set(channel_key(name), alias)
     redis.set(adapter_key(alias), json.dumps({"alias": alias}))
-    return tenant, key, name, alias
+    yield tenant, key, name, alias
+    for job_id in redis.zrange(tenant_ledger_key(tenant), 0, -1):
+        redis.zrem(queue_ledger_key(queue_for(Tier.WARM, BASE)), job_id)
+        redis.zrem(DEADLINES, job_id)
+        redis.delete(job_key(job_id))
+    redis.srem(RETIRED_INDEX, alias)
+    redis.delete(
+        key,
+        tenant_key(tenant),
+        grants_key(tenant),
+        channel_key(name),
+        adapter_key(alias),
+        adapter_key(f"{alias}-moved"),
+        tenant_ledger_key(tenant),
+        rate_key(tenant),
+    )
 
 
 def _read_access(redis: Redis, key: str, name: str) -> admission.Recalled:
-    script = redis.register_script(admission.READ_ACCESS_LUA + ACCESS_RETURN)
+    script = redis.register_script(ACCESS)
     reply = script(keys=[key], args=[*admission.ACCESS_PREFIXES, name])
     assert len(reply) == admission.ACCESS_READS and reply[3] == 1 and reply[5] == 0, reply
     return admission.Recalled(key, name, admission.witness(reply))
-
-
-ACCESS_RETURN = "return read_access(KEYS[1], {unpack(ARGV, 1, 6)}, ARGV[7])"
 
 
 def _admit_recalled(redis: Redis, job: JobPublic, recalled: admission.Recalled) -> None:
@@ -330,9 +347,9 @@ def _admit_recalled(redis: Redis, job: JobPublic, recalled: admission.Recalled) 
 
 
 def test_a_recalled_access_is_admitted_only_while_every_value_read_is_unchanged(
-    redis: Redis,
+    redis: Redis, access_keys: tuple[str, str, str, str]
 ) -> None:
-    tenant, key, name, _ = _access_keys(redis)
+    tenant, key, name, _ = access_keys
     recalled = _read_access(redis, key, name)
     for at in range(admission.ACCESS_READS):
         for other in ("", "=other"):
@@ -362,9 +379,9 @@ def test_a_recalled_access_is_admitted_only_while_every_value_read_is_unchanged(
     ],
 )
 def test_each_change_to_what_an_access_read_refuses_its_recalled_admission(
-    redis: Redis, change: str
+    redis: Redis, access_keys: tuple[str, str, str, str], change: str
 ) -> None:
-    tenant, key, name, alias = _access_keys(redis)
+    tenant, key, name, alias = access_keys
     recalled = _read_access(redis, key, name)
     if change == "key revoked":
         redis.delete(key)
@@ -375,7 +392,7 @@ def test_each_change_to_what_an_access_read_refuses_its_recalled_admission(
     elif change == "grant revoked":
         redis.srem(grants_key(tenant), name)
     elif change == "channel moved":
-        another = f"a-{uuid.uuid4().hex[:8]}"
+        another = f"{alias}-moved"
         redis.set(channel_key(name), another)
         redis.set(adapter_key(another), json.dumps({"alias": alias}))  # the same text
     elif change == "adapter record":
@@ -383,9 +400,6 @@ def test_each_change_to_what_an_access_read_refuses_its_recalled_admission(
     else:
         redis.sadd(RETIRED_INDEX, alias)
     job = _job(tenant)
-    try:
-        with pytest.raises(admission.AccessChanged):
-            _admit_recalled(redis, job, recalled)
-        assert not redis.exists(job_key(job.id)) and _held(redis, tenant) == 0
-    finally:
-        redis.srem(RETIRED_INDEX, alias)
+    with pytest.raises(admission.AccessChanged):
+        _admit_recalled(redis, job, recalled)
+    assert not redis.exists(job_key(job.id)) and _held(redis, tenant) == 0
