@@ -41,3 +41,34 @@ def test_a_late_release_does_not_free_a_later_requests_key(infra: LocalStack, re
     assert kept  # the third request replays B's job
     assert freed  # B's own release lets go
     redis.delete(idempotency_key("t-idem", "order-1"))
+
+
+def test_a_request_that_reserves_its_key_again_for_its_own_job_holds_it(
+    infra: LocalStack, redis: Redis
+) -> None:
+    """A request whose recalled access changed at its admission releases its reservation and
+    reserves again for the same job id; if that release was lost (Redis refused it), its
+    second reservation finds its own pending entry. It is the request's own (a job id is
+    minted per request), so it holds it: waiting on it would wait for itself until its bound
+    ran out (a 503 for a request that could be admitted)."""
+
+    async def go() -> tuple[bool, bool]:
+        client = AsyncRedis.from_url(infra.redis_url, decode_responses=True)
+        try:
+            a = IdempotencyKeys(client, "t-idem", "order-2", ttl_s=600)
+            assert (await a.reserve("fp", "job-a")).owned
+            async with asyncio.timeout(5):
+                again = await a.reserve("fp", "job-a")
+            other = IdempotencyKeys(client, "t-idem", "order-2", ttl_s=600)
+            await a.done("fp", "job-a")
+            replayed = await other.reserve("fp", "job-b")
+            return again.owned, not replayed.owned and replayed.job_id == "job-a"
+        finally:
+            await client.aclose()
+
+    try:
+        owned, replayed = asyncio.run(go())
+    finally:
+        redis.delete(idempotency_key("t-idem", "order-2"))
+    assert owned
+    assert replayed  # once done, another request with the key replays the job
