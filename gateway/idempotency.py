@@ -62,7 +62,8 @@ class IdempotencyKeys:
 
     async def reserve(self, fingerprint: str, job_id: str) -> Reservation:
         """Reserve for ``job_id``, or the earlier job once it is enqueued (waits while the
-        earlier request is still admitting it; the caller bounds the wait)."""
+        earlier request is still admitting it; the caller bounds the wait). A pending entry
+        for ``job_id`` itself is this request's own and is held."""
         mine = Entry(fingerprint=fingerprint, job_id=job_id, state=State.PENDING)
         while True:
             if await self._redis.set(self._key, mine.model_dump_json(), nx=True, ex=PENDING_TTL_S):
@@ -75,6 +76,10 @@ class IdempotencyKeys:
                 return Reservation(owned=False, job_id=entry.job_id, conflict=True)
             if entry.state == State.DONE:
                 return Reservation(owned=False, job_id=entry.job_id)
+            if entry.job_id == job_id:
+                # This request's own, from a try whose release was lost (a job id is minted
+                # per request): held still, not waited for.
+                return Reservation(owned=True, job_id=job_id)
             await asyncio.sleep(POLL_S)
 
     async def done(self, fingerprint: str, job_id: str) -> None:
