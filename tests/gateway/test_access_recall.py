@@ -319,3 +319,44 @@ def test_an_idempotency_replay_to_a_changed_recalled_access_is_refused_as_a_read
         refused = http.post("/v1/jobs", json=_job(alias), headers=idempotent)
         assert refused.status_code == status, refused.text
         assert admitted_state(private_redis, name)["records"] == 1
+
+
+def _refused(http: httpx.Client) -> dict[str, float]:
+    families = text_string_to_metric_families(http.get("/metrics").text)
+    return {
+        sample.labels["code"]: sample.value
+        for family in families
+        if family.name == "lorafleet_admissions_refused"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+def test_a_recalled_key_refused_is_counted_as_a_read_one_is(
+    private_gateway: Callable[..., Any],
+    tenant: Callable[..., tuple[str, str]],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    """A revoked key is 401 and counted as no refusal of an admission (as when the key check
+    reads it: authentication comes before admission), whether its recalled access was found
+    changed by the admission or its request's own error was answered as the 401."""
+    alias = sorted(published)[0]
+    name, key = tenant("acme", alias)
+    _, other = Tenants(private_redis).create_key(name)
+    too_long = _job(alias, "hello " * 3000)
+    with (
+        private_gateway(metrics_public=True) as url,
+        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
+        httpx.Client(base_url=url, headers=auth_headers(other)) as other_http,
+    ):
+        assert http.post("/v1/jobs", json=_job(alias)).status_code == 202
+        assert other_http.post("/v1/jobs", json=_job(alias)).status_code == 202
+        assert http.post("/v1/jobs", json=too_long).status_code == 422  # counted: a good key
+        before = _refused(http)
+        assert before == {"prompt_too_long": 1.0}
+        for listed in Tenants(private_redis).keys(name):
+            Tenants(private_redis).revoke(name, listed.key_id)
+        assert http.post("/v1/jobs", json=too_long).status_code == 401
+        assert other_http.post("/v1/jobs", json=_job(alias)).status_code == 401
+        assert _refused(http) == before
