@@ -140,12 +140,13 @@ class Access:
     unconfirmed: Unconfirmed | None = field(default=None, compare=False)
     """Set when this access was recalled, not read, for this request."""
 
-    def admissible(self) -> Resolved:
+    def admissible(self, param: str = "adapter") -> Resolved:
         """The revision a job naming ``name`` is admitted with, or the ``ApiError`` refusing
-        it: 404 unknown or not granted, 410 retired, 500 an unreadable registry record."""
+        it: 404 unknown or not granted, 410 retired, 500 an unreadable registry record.
+        ``param``: the request field that named it (``model`` on the OpenAI endpoints)."""
         if self.unreadable is not None:
             if self.unreadable.retired:
-                raise retired(self.unreadable.alias)
+                raise retired(self.unreadable.alias, param)
             # The registry, not the caller, is at fault; a retry cannot help until an
             # operator retires the alias and publishes its adapter under a new one.
             raise ApiError(
@@ -153,26 +154,26 @@ class Access:
                 ErrorCode.ADAPTER_UNAVAILABLE,
                 f"Adapter {self.unreadable.alias!r} cannot be served: its registry record is "
                 "unreadable. Nothing was enqueued.",
-                param="adapter",
+                param=param,
             )
         if self.resolved is None:
             raise ApiError(
                 404,
                 ErrorCode.ADAPTER_NOT_FOUND,
                 f"No adapter named {shown(self.name)} is available. Nothing was enqueued.",
-                param="adapter",
+                param=param,
             )
         if self.resolved.retired:
-            raise retired(self.resolved.record.alias)
+            raise retired(self.resolved.record.alias, param)
         return self.resolved
 
 
-def retired(alias: str) -> ApiError:
+def retired(alias: str, param: str = "adapter") -> ApiError:
     return ApiError(
         410,
         ErrorCode.ADAPTER_RETIRED,
         f"Adapter {alias!r} is retired and takes no new jobs. Nothing was enqueued.",
-        param="adapter",
+        param=param,
     )
 
 

@@ -76,6 +76,9 @@ class Submission:
     deadline_s: float | None = None
     stream: bool = False
     webhook: WebhookTarget | None = None
+    adapter_field: str = "adapter"
+    """The request field that names the adapter (``model`` on the OpenAI endpoints): what a
+    refusal of the name points at."""
 
 
 @dataclass(frozen=True)
@@ -148,18 +151,32 @@ class Submitter:
             try:
                 admitted, reserved = await self._submit(
                     access.tenant,
-                    access.admissible(),
+                    access.admissible(request.adapter_field),
                     request,
                     idempotency,
                     job_id,
                     reply_to,
                     unconfirmed,
                 )
+            except ApiError as error:
+                # A client error to a key no admission checked: the key's own refusal, if it
+                # has one, is the answer (and what is counted).
+                refusal = None
+                if unconfirmed is not None and error.status_code < 500:
+                    refusal = await unconfirmed.refusal()
+                if refusal is None:
+                    raise
+                raise refusal from None
             except admission.AccessChanged:
                 assert unconfirmed is not None
                 access = await self._reread(unconfirmed)
                 admitted, reserved = await self._submit(
-                    access.tenant, access.admissible(), request, idempotency, job_id, reply_to
+                    access.tenant,
+                    access.admissible(request.adapter_field),
+                    request,
+                    idempotency,
+                    job_id,
+                    reply_to,
                 )
         if not admitted.replayed:
             self.metrics.admitted_job(admitted.job.tier, admitted.job.adapter)
@@ -207,12 +224,15 @@ class Submitter:
     @contextlib.asynccontextmanager
     async def bounded(self, timeout_s: float) -> AsyncIterator[None]:
         """Admission work within ``timeout_s``: a refusal (``ApiError``) is counted and
-        raised; Redis or the broker failing, or the time running out, is a counted 503."""
+        raised, but not a 401 (a key that does not hold is refused before admission, as the
+        key check refuses it, uncounted here); Redis or the broker failing, or the time
+        running out, is a counted 503."""
         try:
             async with asyncio.timeout(timeout_s):
                 yield
         except ApiError as refused:
-            self.metrics.refused.labels(refused.code.value).inc()
+            if refused.code != ErrorCode.UNAUTHORIZED:
+                self.metrics.refused.labels(refused.code.value).inc()
             raise
         except (RedisError, OSError, TimeoutError, admission.AdmissionWithdrawn) as exc:
             # Also a Redis that refuses the write (full: maxmemory with noeviction).
@@ -248,7 +268,7 @@ class Submitter:
                     # An earlier request's job, answered to an access no admission checked:
                     # read first, and refused as a fresh read would refuse it (401, 404, 410).
                     fresh = await self._reread(unconfirmed)
-                    fresh.admissible()
+                    fresh.admissible(request.adapter_field)
                     tenant = fresh.tenant
                 return await self._replay(tenant, reservation), None
         job, message = self.job(tenant, prepared, job_id)

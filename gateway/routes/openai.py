@@ -213,6 +213,7 @@ async def create_completion(body: CompletionCreate, call: CallDep) -> Any:
         sampling=_sampling(body),
         deadline_s=body.deadline_s,
         stream=body.stream,
+        adapter_field="model",
     )
     return await _complete(call, "/v1/completions", body, submission, _TEXT)
 
@@ -228,6 +229,7 @@ async def create_chat_completion(body: ChatCompletionCreate, call: CallDep) -> A
         sampling=_sampling(body),
         deadline_s=body.deadline_s,
         stream=body.stream,
+        adapter_field="model",
     )
     return await _complete(call, "/v1/chat/completions", body, submission, _CHAT)
 

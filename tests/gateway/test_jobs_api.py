@@ -50,7 +50,7 @@ def test_unknown_adapter_is_404_and_enqueues_nothing(api: httpx.Client, redis: R
     response = api.post("/v1/jobs", json={"adapter": "no-such", "prompt": "hi"})
     assert response.status_code == 404
     error = response.json()["error"]
-    assert error["code"] == "adapter_not_found"
+    assert error["code"] == "adapter_not_found" and error["param"] == "adapter"
     assert "no-such" in error["message"]
     assert _job_keys(redis) == before
 

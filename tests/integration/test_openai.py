@@ -161,6 +161,7 @@ def test_errors_come_in_openais_envelope_with_our_code(
         client.completions.create(model="no-such-adapter", prompt="hi")
     assert missing.value.code == "adapter_not_found"
     assert missing.value.type == "not_found_error"
+    assert missing.value.param == "model"  # the field that named it here
 
     with pytest.raises(openai.UnprocessableEntityError) as several:
         client.completions.create(model=_warm(published).alias, prompt="hi", n=2)
