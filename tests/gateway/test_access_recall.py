@@ -22,7 +22,7 @@ from redis import Redis
 from contracts import admission
 from contracts.errors import ErrorCode
 from contracts.keys import api_key_key, tenant_key
-from contracts.registry import AdapterRecord
+from contracts.registry import AdapterRecord, BaseModelRef
 from contracts.tenants import ApiKeyRecord, TenantLimits, key_hash
 from gateway.access import ACCESS
 from lorafleet.client import auth_headers
@@ -360,3 +360,62 @@ def test_a_recalled_key_refused_is_counted_as_a_read_one_is(
         assert http.post("/v1/jobs", json=too_long).status_code == 401
         assert other_http.post("/v1/jobs", json=_job(alias)).status_code == 401
         assert _refused(http) == before
+
+
+@pytest.mark.parametrize(
+    ("change", "status"),
+    [(_revoke_grant, 404), (_retire, 410)],
+    ids=["grant revoked", "alias retired"],
+)
+def test_a_request_refused_before_its_admission_is_refused_as_a_read_would_refuse_it(
+    private_gateway: Callable[..., Any],
+    tenant: Callable[..., tuple[str, str]],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+    change: Callable[[Redis, str, str, dict[str, AdapterRecord]], None],
+    status: int,
+) -> None:
+    """A prompt too long for the recalled adapter's model, after the name was taken away: a
+    read answers the name's refusal first (404, 410), so must a recall."""
+    alias = sorted(published)[0]
+    name, key = tenant("acme", alias)
+    with (
+        private_gateway(metrics_public=True) as url,
+        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
+    ):
+        assert http.post("/v1/jobs", json=_job(alias)).status_code == 202
+        change(private_redis, name, alias, published)
+        refused = http.post("/v1/jobs", json=_job(alias, "hello " * 3000))
+        assert refused.status_code == status, refused.text
+
+
+def test_a_recalled_adapter_that_moved_is_what_a_request_is_checked_against(
+    private_gateway: Callable[..., Any],
+    tenant: Callable[..., tuple[str, str]],
+    private_redis: Redis,
+    published: dict[str, AdapterRecord],
+) -> None:
+    """A channel moved to an adapter of another base model: a prompt too long for the old
+    model's context is checked against the new one (here a base no worker has described
+    yet, so the worker checks it) and admitted, not refused by what was recalled."""
+    first = published[sorted(published)[0]]
+    other_base = BaseModelRef(id="another/base", digest="sha256:" + "e" * 64)
+    moved = first.model_copy(
+        update={"alias": "elsewhere", "digest": "sha256:" + "f" * 64, "base_model": other_base}
+    )
+    registry = Registry(private_redis)
+    registry.register(moved)
+    registry.set_channel("prod", first.alias)
+    _, key = tenant("acme", "prod")
+    long_prompt = _job("prod", "hello " * 3000)
+    with (
+        private_gateway(metrics_public=True) as url,
+        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
+    ):
+        assert http.post("/v1/jobs", json=_job("prod")).status_code == 202
+        assert http.post("/v1/jobs", json=long_prompt).status_code == 422  # the first's model
+        registry.set_channel("prod", "elsewhere")
+        accepted = http.post("/v1/jobs", json=long_prompt)
+        assert accepted.status_code == 202, accepted.text
+        assert accepted.json()["adapter"] == "elsewhere"
+        assert accepted.json()["revision"] == moved.digest
