@@ -55,8 +55,9 @@ def _access_to(field: str) -> Callable[..., Awaitable[Access]]:
         # Dependencies run before FastAPI validates the body: a bad key is 401 whatever the
         # body holds. The name comes from the body as the strict-JSON middleware parsed it
         # (a body FastAPI then refuses answers 422, whatever was resolved here). An access
-        # recalled, not read, is confirmed before any error is answered (``UNCONFIRMED``,
-        # read by the error handlers) unless its admission checked it first.
+        # recalled, not read, is confirmed before a client error is answered (``UNCONFIRMED``,
+        # read by the error handlers; ``Submitter.submit`` for its own) unless its admission
+        # checked it first.
         body = request.scope.get("state", {}).get(PARSED)
         name = body.get(field) if isinstance(body, dict) else None
         try:

@@ -159,14 +159,23 @@ class Submitter:
                     unconfirmed,
                 )
             except ApiError as error:
-                # A client error to a key no admission checked: the key's own refusal, if it
-                # has one, is the answer (and what is counted).
-                refusal = None
-                if unconfirmed is not None and error.status_code < 500:
-                    refusal = await unconfirmed.refusal()
-                if refusal is None:
+                if unconfirmed is None or unconfirmed.confirmed:
                     raise
-                raise refusal from None
+                # Refused before its admission checked what was recalled (a prompt too long
+                # for the recalled adapter's model, say): refused as a read would refuse it.
+                # The access is read; its own refusal (401, 404, 410) comes first; if it
+                # changed, the submission runs again on what was read; else the error stands.
+                fresh = await self._reread(unconfirmed)
+                if fresh == access:
+                    raise error from None
+                admitted, reserved = await self._submit(
+                    fresh.tenant,
+                    fresh.admissible(request.adapter_field),
+                    request,
+                    idempotency,
+                    job_id,
+                    reply_to,
+                )
             except admission.AccessChanged:
                 assert unconfirmed is not None
                 access = await self._reread(unconfirmed)
