@@ -14,10 +14,12 @@ step that admits, that Redis still holds exactly what was read then (``ADMIT``, 
 grant, a moved channel, a retired alias) nothing is written and the gateway reads the access
 again and decides on that. So a revoked key, a retired alias, a moved channel still take
 effect on the next request, in one round trip fewer for every request they do not concern.
-Until the admission has checked it, a recalled access is ``Unconfirmed``: a client error
-answered before (an invalid body, a prompt too long) first confirms the key, so a bad key is
-401 whatever the body holds, and an idempotency replay first reads the access again (a
-server error, 5xx, is answered as it is).
+Until the admission has checked it, a recalled access is ``Unconfirmed``: a refusal decided
+on it before (a prompt too long for the recalled adapter's model, an idempotency replay) first
+reads the access again (``gateway.submit.Submitter.submit``: the key's or name's own refusal
+first, a changed access submitted again on what was read), and a client error the route
+answers (an invalid body) first confirms the key (the error handlers), so a bad key is 401
+whatever the body holds; a server error (5xx) from the handlers is answered as it is.
 """
 
 from __future__ import annotations
