@@ -148,45 +148,30 @@ class Submitter:
             if access.name != request.adapter:
                 raise RuntimeError(f"access resolved {access.name!r}, not {request.adapter!r}")
             unconfirmed = access.unconfirmed
-            try:
-                admitted, reserved = await self._submit(
-                    access.tenant,
-                    access.admissible(request.adapter_field),
-                    request,
-                    idempotency,
-                    job_id,
-                    reply_to,
-                    unconfirmed,
+
+            async def submit_on(
+                on: Access, recalled: Unconfirmed | None
+            ) -> tuple[Admitted, IdempotencyKeys | None]:
+                resolved = on.admissible(request.adapter_field)
+                return await self._submit(
+                    on.tenant, resolved, request, idempotency, job_id, reply_to, recalled
                 )
-            except ApiError as error:
+
+            try:
+                admitted, reserved = await submit_on(access, unconfirmed)
+            except (ApiError, admission.AccessChanged) as error:
                 if unconfirmed is None or unconfirmed.confirmed:
                     raise
-                # Refused before its admission checked what was recalled (a prompt too long
-                # for the recalled adapter's model, say): refused as a read would refuse it.
-                # The access is read; its own refusal (401, 404, 410) comes first; if it
-                # changed, the submission runs again on what was read; else the error stands.
+                # The admission found the recalled access changed (nothing written), or the
+                # request was refused before its admission checked it (a prompt too long for
+                # the recalled adapter's model, say) and must be refused as a read would refuse
+                # it. Either way the access is read: its own refusal (401, 404, 410) comes
+                # first; a refusal stands if the access did not change; else the submission
+                # runs again on what was read.
                 fresh = await self._reread(unconfirmed)
-                if fresh == access:
+                if isinstance(error, ApiError) and fresh == access:
                     raise error from None
-                admitted, reserved = await self._submit(
-                    fresh.tenant,
-                    fresh.admissible(request.adapter_field),
-                    request,
-                    idempotency,
-                    job_id,
-                    reply_to,
-                )
-            except admission.AccessChanged:
-                assert unconfirmed is not None
-                access = await self._reread(unconfirmed)
-                admitted, reserved = await self._submit(
-                    access.tenant,
-                    access.admissible(request.adapter_field),
-                    request,
-                    idempotency,
-                    job_id,
-                    reply_to,
-                )
+                admitted, reserved = await submit_on(fresh, None)
         if not admitted.replayed:
             self.metrics.admitted_job(admitted.job.tier, admitted.job.adapter)
             if self.popularity is not None:

@@ -10,7 +10,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -81,6 +81,24 @@ def _recalls(http: httpx.Client) -> dict[str, float]:
 
 
 @pytest.fixture
+def gateway_as(
+    private_gateway: Callable[..., Any],
+) -> Callable[[str], AbstractContextManager[httpx.Client]]:
+    """``gateway_as(key)``: a gateway on the private database (its metrics public) and a
+    client of it presenting ``key``."""
+
+    @contextmanager
+    def serve(key: str) -> Iterator[httpx.Client]:
+        with (
+            private_gateway(metrics_public=True) as url,
+            httpx.Client(base_url=url, headers=auth_headers(key), timeout=60) as http,
+        ):
+            yield http
+
+    return serve
+
+
+@pytest.fixture
 def tenant(private_redis: Redis) -> Callable[..., tuple[str, str]]:
     """``tenant(name, *grants)``: a new tenant with those grants; ``(name, key)``."""
 
@@ -95,7 +113,7 @@ def tenant(private_redis: Redis) -> Callable[..., tuple[str, str]]:
 
 
 def test_a_second_admission_reads_no_access_and_its_admission_checks_the_recalled_one(
-    private_gateway: Callable[..., Any],
+    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
     tenant: Callable[..., tuple[str, str]],
     private_redis: Redis,
     published: dict[str, AdapterRecord],
@@ -104,10 +122,7 @@ def test_a_second_admission_reads_no_access_and_its_admission_checks_the_recalle
     _, key = tenant("acme", alias)
     for script in (ACCESS, admission.ADMIT):  # each EVALSHA then runs at once (no NOSCRIPT)
         private_redis.script_load(script)
-    with (
-        private_gateway(metrics_public=True) as url,
-        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
-    ):
+    with gateway_as(key) as http:
         with _scripts_called(private_redis) as first:
             assert http.post("/v1/jobs", json=_job(alias)).status_code == 202
         with _scripts_called(private_redis) as then:
@@ -148,7 +163,7 @@ def _delete_tenant_record(redis: Redis, tenant: str, _: str, __: dict[str, Adapt
     ids=["key revoked", "tenant gone", "grant revoked", "alias retired"],
 )
 def test_a_change_to_a_recalled_access_refuses_the_next_request_and_writes_nothing(
-    private_gateway: Callable[..., Any],
+    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
     tenant: Callable[..., tuple[str, str]],
     private_redis: Redis,
     published: dict[str, AdapterRecord],
@@ -158,10 +173,7 @@ def test_a_change_to_a_recalled_access_refuses_the_next_request_and_writes_nothi
 ) -> None:
     alias = sorted(published)[1]
     name, key = tenant("acme", alias)
-    with (
-        private_gateway(metrics_public=True) as url,
-        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
-    ):
+    with gateway_as(key) as http:
         assert http.post("/v1/jobs", json=_job(alias)).status_code == 202  # read
         assert http.post("/v1/jobs", json=_job(alias)).status_code == 202  # recalled: held
         before = admitted_state(private_redis, name)
@@ -175,7 +187,7 @@ def test_a_change_to_a_recalled_access_refuses_the_next_request_and_writes_nothi
 
 
 def test_a_moved_channel_and_new_limits_apply_on_the_next_request_read_again(
-    private_gateway: Callable[..., Any],
+    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
     tenant: Callable[..., tuple[str, str]],
     private_redis: Redis,
     published: dict[str, AdapterRecord],
@@ -184,10 +196,7 @@ def test_a_moved_channel_and_new_limits_apply_on_the_next_request_read_again(
     registry, tenants = Registry(private_redis), Tenants(private_redis)
     registry.set_channel("prod", first)
     name, key = tenant("acme", "prod")
-    with (
-        private_gateway(metrics_public=True) as url,
-        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
-    ):
+    with gateway_as(key) as http:
         for _ in range(2):
             accepted = http.post("/v1/jobs", json=_job("prod", deadline_s=600))
             assert accepted.status_code == 202 and accepted.json()["adapter"] == first
@@ -212,7 +221,7 @@ def test_a_moved_channel_and_new_limits_apply_on_the_next_request_read_again(
 
 
 def test_a_rotated_key_recalled_in_its_grace_is_read_again_and_refused_at_its_end(
-    private_gateway: Callable[..., Any],
+    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
     tenant: Callable[..., tuple[str, str]],
     private_redis: Redis,
     published: dict[str, AdapterRecord],
@@ -220,10 +229,7 @@ def test_a_rotated_key_recalled_in_its_grace_is_read_again_and_refused_at_its_en
     alias = sorted(published)[0]
     name, key = tenant("acme", alias)
     tenants = Tenants(private_redis)
-    with (
-        private_gateway(metrics_public=True) as url,
-        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
-    ):
+    with gateway_as(key) as http:
         assert http.post("/v1/jobs", json=_job(alias)).status_code == 202
         (listed,) = tenants.keys(name)
         tenants.rotate(name, listed.key_id, grace_s=3)
@@ -264,7 +270,7 @@ def _body(path: str, alias: str, bad: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("path", "bad"), INVALID, ids=[str(b)[:30] for _, b in INVALID])
 def test_a_revoked_key_recalled_is_401_whatever_the_body_holds(
-    private_gateway: Callable[..., Any],
+    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
     tenant: Callable[..., tuple[str, str]],
     private_redis: Redis,
     published: dict[str, AdapterRecord],
@@ -273,10 +279,7 @@ def test_a_revoked_key_recalled_is_401_whatever_the_body_holds(
 ) -> None:
     alias = sorted(published)[0]
     name, key = tenant("acme", alias)
-    with (
-        private_gateway(metrics_public=True) as url,
-        httpx.Client(base_url=url, headers=auth_headers(key), timeout=60) as http,
-    ):
+    with gateway_as(key) as http:
         good = _body("/v1/jobs", alias, {})
         assert http.post("/v1/jobs", json=good).status_code == 202
         invalid = http.post(path, json=_body(path, alias, bad))
@@ -297,7 +300,7 @@ def test_a_revoked_key_recalled_is_401_whatever_the_body_holds(
     ids=["key revoked", "grant revoked", "alias retired"],
 )
 def test_an_idempotency_replay_to_a_changed_recalled_access_is_refused_as_a_read_would(
-    private_gateway: Callable[..., Any],
+    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
     tenant: Callable[..., tuple[str, str]],
     private_redis: Redis,
     published: dict[str, AdapterRecord],
@@ -307,10 +310,7 @@ def test_an_idempotency_replay_to_a_changed_recalled_access_is_refused_as_a_read
     alias = sorted(published)[0]
     name, key = tenant("acme", alias)
     idempotent = {"Idempotency-Key": "once"}
-    with (
-        private_gateway(metrics_public=True) as url,
-        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
-    ):
+    with gateway_as(key) as http:
         first = http.post("/v1/jobs", json=_job(alias), headers=idempotent)
         assert first.status_code == 202
         replay = http.post("/v1/jobs", json=_job(alias), headers=idempotent)
@@ -333,7 +333,7 @@ def _refused(http: httpx.Client) -> dict[str, float]:
 
 
 def test_a_recalled_key_refused_is_counted_as_a_read_one_is(
-    private_gateway: Callable[..., Any],
+    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
     tenant: Callable[..., tuple[str, str]],
     private_redis: Redis,
     published: dict[str, AdapterRecord],
@@ -346,9 +346,8 @@ def test_a_recalled_key_refused_is_counted_as_a_read_one_is(
     _, other = Tenants(private_redis).create_key(name)
     too_long = _job(alias, "hello " * 3000)
     with (
-        private_gateway(metrics_public=True) as url,
-        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
-        httpx.Client(base_url=url, headers=auth_headers(other)) as other_http,
+        gateway_as(key) as http,
+        httpx.Client(base_url=http.base_url, headers=auth_headers(other)) as other_http,
     ):
         assert http.post("/v1/jobs", json=_job(alias)).status_code == 202
         assert other_http.post("/v1/jobs", json=_job(alias)).status_code == 202
@@ -368,7 +367,7 @@ def test_a_recalled_key_refused_is_counted_as_a_read_one_is(
     ids=["grant revoked", "alias retired"],
 )
 def test_a_request_refused_before_its_admission_is_refused_as_a_read_would_refuse_it(
-    private_gateway: Callable[..., Any],
+    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
     tenant: Callable[..., tuple[str, str]],
     private_redis: Redis,
     published: dict[str, AdapterRecord],
@@ -379,10 +378,7 @@ def test_a_request_refused_before_its_admission_is_refused_as_a_read_would_refus
     read answers the name's refusal first (404, 410), so must a recall."""
     alias = sorted(published)[0]
     name, key = tenant("acme", alias)
-    with (
-        private_gateway(metrics_public=True) as url,
-        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
-    ):
+    with gateway_as(key) as http:
         assert http.post("/v1/jobs", json=_job(alias)).status_code == 202
         change(private_redis, name, alias, published)
         refused = http.post("/v1/jobs", json=_job(alias, "hello " * 3000))
@@ -390,7 +386,7 @@ def test_a_request_refused_before_its_admission_is_refused_as_a_read_would_refus
 
 
 def test_a_recalled_adapter_that_moved_is_what_a_request_is_checked_against(
-    private_gateway: Callable[..., Any],
+    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
     tenant: Callable[..., tuple[str, str]],
     private_redis: Redis,
     published: dict[str, AdapterRecord],
@@ -408,10 +404,7 @@ def test_a_recalled_adapter_that_moved_is_what_a_request_is_checked_against(
     registry.set_channel("prod", first.alias)
     _, key = tenant("acme", "prod")
     long_prompt = _job("prod", "hello " * 3000)
-    with (
-        private_gateway(metrics_public=True) as url,
-        httpx.Client(base_url=url, headers=auth_headers(key)) as http,
-    ):
+    with gateway_as(key) as http:
         assert http.post("/v1/jobs", json=_job("prod")).status_code == 202
         assert http.post("/v1/jobs", json=long_prompt).status_code == 422  # the first's model
         registry.set_channel("prod", "elsewhere")
