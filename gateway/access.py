@@ -256,9 +256,3 @@ def forget(redis: Redis, caller: Caller, name: str) -> None:
     kept = _recalled.get(redis)
     if kept is not None:
         kept.pop((caller.key_hash, name), None)
-
-
-def recalled_accesses(redis: Redis) -> int:
-    """How many accesses this process keeps to recall for ``redis``."""
-    kept = _recalled.get(redis)
-    return 0 if kept is None else len(kept)
