@@ -109,7 +109,7 @@ class Unconfirmed:
     timeout_s: float
     confirmed: bool = False
     """Redis was read for this request's key (an admission checked the witness, or
-    ``refusal`` or ``Submitter`` read it again)."""
+    ``refusal`` or ``reread`` read it again)."""
 
     async def refusal(self) -> ApiError | None:
         """What to answer instead of an error to this request: ``None`` if its key is good
@@ -127,6 +127,19 @@ class Unconfirmed:
             return unavailable("the key store is unreachable", exc, NOT_AUTHENTICATED)
         self.confirmed = True
         return None
+
+    async def reread(self) -> Access:
+        """The access the recalled one became, key and name read again (and kept, replacing
+        the one recalled); the key is then confirmed, admitted or refused (401 ``ApiError``).
+        Redis errors are raised as they are."""
+        forget(self.redis, self.caller, self.recalled.name)
+        try:
+            access = await check(self.redis, self.caller, self.recalled.name, keep=True)
+        except ApiError:
+            self.confirmed = True
+            raise
+        self.confirmed = True
+        return access
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from contracts.queues import Tier, queue_for
 from contracts.tenants import TenantRecord
 from contracts.webhooks import WebhookTarget
 from gateway import job_store
-from gateway.access import Access, Caller, Unconfirmed, check, forget
+from gateway.access import Access, Caller, Unconfirmed, check
 from gateway.config import GatewaySettings
 from gateway.errors import ADMISSION_TIMED_OUT, ApiError, unavailable
 from gateway.idempotency import IdempotencyKeys, Reservation
@@ -168,7 +168,7 @@ class Submitter:
                 # it. Either way the access is read: its own refusal (401, 404, 410) comes
                 # first; a refusal stands if the access did not change; else the submission
                 # runs again on what was read.
-                fresh = await self._reread(unconfirmed)
+                fresh = await unconfirmed.reread()
                 if isinstance(error, ApiError) and fresh == access:
                     raise error from None
                 admitted, reserved = await submit_on(fresh, None)
@@ -179,19 +179,6 @@ class Submitter:
         if reserved is not None and idempotency is not None:
             await self.key_done(reserved, idempotency, admitted.job.id)
         return admitted
-
-    async def _reread(self, unconfirmed: Unconfirmed) -> Access:
-        """The access a recalled one became: read again (and kept, replacing the one that
-        changed); its key is then confirmed, admitted or refused (401)."""
-        recalled = unconfirmed.recalled
-        forget(self._redis, unconfirmed.caller, recalled.name)
-        try:
-            access = await check(self._redis, unconfirmed.caller, recalled.name, keep=True)
-        except ApiError:
-            unconfirmed.confirmed = True
-            raise
-        unconfirmed.confirmed = True
-        return access
 
     async def reserve_key(
         self, tenant: TenantRecord, idempotency: Idempotency, admits: str
@@ -261,7 +248,7 @@ class Submitter:
                 if unconfirmed is not None and not unconfirmed.confirmed:
                     # An earlier request's job, answered to an access no admission checked:
                     # read first, and refused as a fresh read would refuse it (401, 404, 410).
-                    fresh = await self._reread(unconfirmed)
+                    fresh = await unconfirmed.reread()
                     fresh.admissible(request.adapter_field)
                     tenant = fresh.tenant
                 return await self._replay(tenant, reservation), None
