@@ -30,6 +30,11 @@ from lorafleet.registry import Registry
 from lorafleet.tenants import Tenants
 from tests.gateway.conftest import PRIVATE_DB, admitted_state
 
+GatewayAs = Callable[[str], AbstractContextManager[httpx.Client]]
+"""``gateway_as``: a gateway and a client of it presenting a key."""
+Change = Callable[[Redis, str, str, dict[str, AdapterRecord]], None]
+"""A change to what decides an access: ``(redis, tenant, alias, published)``."""
+
 ACCESS_SHA = hashlib.sha1(ACCESS.encode()).hexdigest()
 ADMIT_SHA = hashlib.sha1(admission.ADMIT.encode()).hexdigest()
 
@@ -83,7 +88,7 @@ def _recalls(http: httpx.Client) -> dict[str, float]:
 @pytest.fixture
 def gateway_as(
     private_gateway: Callable[..., Any],
-) -> Callable[[str], AbstractContextManager[httpx.Client]]:
+) -> GatewayAs:
     """``gateway_as(key)``: a gateway on the private database (its metrics public) and a
     client of it presenting ``key``."""
 
@@ -96,6 +101,16 @@ def gateway_as(
             yield http
 
     return serve
+
+
+@pytest.fixture
+def acme(
+    tenant: Callable[..., tuple[str, str]], published: dict[str, AdapterRecord]
+) -> tuple[str, str, str]:
+    """Tenant ``acme``, granted the first adapter published: ``(name, key, alias)``."""
+    alias = sorted(published)[0]
+    name, key = tenant("acme", alias)
+    return name, key, alias
 
 
 @pytest.fixture
@@ -113,13 +128,11 @@ def tenant(private_redis: Redis) -> Callable[..., tuple[str, str]]:
 
 
 def test_a_second_admission_reads_no_access_and_its_admission_checks_the_recalled_one(
-    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
-    tenant: Callable[..., tuple[str, str]],
+    gateway_as: GatewayAs,
+    acme: tuple[str, str, str],
     private_redis: Redis,
-    published: dict[str, AdapterRecord],
 ) -> None:
-    alias = sorted(published)[0]
-    _, key = tenant("acme", alias)
+    _, key, alias = acme
     for script in (ACCESS, admission.ADMIT):  # each EVALSHA then runs at once (no NOSCRIPT)
         private_redis.script_load(script)
     with gateway_as(key) as http:
@@ -163,11 +176,11 @@ def _delete_tenant_record(redis: Redis, tenant: str, _: str, __: dict[str, Adapt
     ids=["key revoked", "tenant gone", "grant revoked", "alias retired"],
 )
 def test_a_change_to_a_recalled_access_refuses_the_next_request_and_writes_nothing(
-    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
+    gateway_as: GatewayAs,
     tenant: Callable[..., tuple[str, str]],
     private_redis: Redis,
     published: dict[str, AdapterRecord],
-    change: Callable[[Redis, str, str, dict[str, AdapterRecord]], None],
+    change: Change,
     status: int,
     code: ErrorCode,
 ) -> None:
@@ -187,7 +200,7 @@ def test_a_change_to_a_recalled_access_refuses_the_next_request_and_writes_nothi
 
 
 def test_a_moved_channel_and_new_limits_apply_on_the_next_request_read_again(
-    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
+    gateway_as: GatewayAs,
     tenant: Callable[..., tuple[str, str]],
     private_redis: Redis,
     published: dict[str, AdapterRecord],
@@ -221,13 +234,11 @@ def test_a_moved_channel_and_new_limits_apply_on_the_next_request_read_again(
 
 
 def test_a_rotated_key_recalled_in_its_grace_is_read_again_and_refused_at_its_end(
-    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
-    tenant: Callable[..., tuple[str, str]],
+    gateway_as: GatewayAs,
+    acme: tuple[str, str, str],
     private_redis: Redis,
-    published: dict[str, AdapterRecord],
 ) -> None:
-    alias = sorted(published)[0]
-    name, key = tenant("acme", alias)
+    name, key, alias = acme
     tenants = Tenants(private_redis)
     with gateway_as(key) as http:
         assert http.post("/v1/jobs", json=_job(alias)).status_code == 202
@@ -270,15 +281,13 @@ def _body(path: str, alias: str, bad: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("path", "bad"), INVALID, ids=[str(b)[:30] for _, b in INVALID])
 def test_a_revoked_key_recalled_is_401_whatever_the_body_holds(
-    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
-    tenant: Callable[..., tuple[str, str]],
+    gateway_as: GatewayAs,
+    acme: tuple[str, str, str],
     private_redis: Redis,
-    published: dict[str, AdapterRecord],
     path: str,
     bad: dict[str, Any],
 ) -> None:
-    alias = sorted(published)[0]
-    name, key = tenant("acme", alias)
+    name, key, alias = acme
     with gateway_as(key) as http:
         good = _body("/v1/jobs", alias, {})
         assert http.post("/v1/jobs", json=good).status_code == 202
@@ -300,15 +309,14 @@ def test_a_revoked_key_recalled_is_401_whatever_the_body_holds(
     ids=["key revoked", "grant revoked", "alias retired"],
 )
 def test_an_idempotency_replay_to_a_changed_recalled_access_is_refused_as_a_read_would(
-    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
-    tenant: Callable[..., tuple[str, str]],
+    gateway_as: GatewayAs,
+    acme: tuple[str, str, str],
     private_redis: Redis,
     published: dict[str, AdapterRecord],
-    change: Callable[[Redis, str, str, dict[str, AdapterRecord]], None],
+    change: Change,
     status: int,
 ) -> None:
-    alias = sorted(published)[0]
-    name, key = tenant("acme", alias)
+    name, key, alias = acme
     idempotent = {"Idempotency-Key": "once"}
     with gateway_as(key) as http:
         first = http.post("/v1/jobs", json=_job(alias), headers=idempotent)
@@ -333,16 +341,14 @@ def _refused(http: httpx.Client) -> dict[str, float]:
 
 
 def test_a_recalled_key_refused_is_counted_as_a_read_one_is(
-    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
-    tenant: Callable[..., tuple[str, str]],
+    gateway_as: GatewayAs,
+    acme: tuple[str, str, str],
     private_redis: Redis,
-    published: dict[str, AdapterRecord],
 ) -> None:
     """A revoked key is 401 and counted as no refusal of an admission (as when the key check
     reads it: authentication comes before admission), whether its recalled access was found
     changed by the admission or its request's own error was answered as the 401."""
-    alias = sorted(published)[0]
-    name, key = tenant("acme", alias)
+    name, key, alias = acme
     _, other = Tenants(private_redis).create_key(name)
     too_long = _job(alias, "hello " * 3000)
     with (
@@ -367,17 +373,16 @@ def test_a_recalled_key_refused_is_counted_as_a_read_one_is(
     ids=["grant revoked", "alias retired"],
 )
 def test_a_request_refused_before_its_admission_is_refused_as_a_read_would_refuse_it(
-    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
-    tenant: Callable[..., tuple[str, str]],
+    gateway_as: GatewayAs,
+    acme: tuple[str, str, str],
     private_redis: Redis,
     published: dict[str, AdapterRecord],
-    change: Callable[[Redis, str, str, dict[str, AdapterRecord]], None],
+    change: Change,
     status: int,
 ) -> None:
     """A prompt too long for the recalled adapter's model, after the name was taken away: a
     read answers the name's refusal first (404, 410), so must a recall."""
-    alias = sorted(published)[0]
-    name, key = tenant("acme", alias)
+    name, key, alias = acme
     with gateway_as(key) as http:
         assert http.post("/v1/jobs", json=_job(alias)).status_code == 202
         change(private_redis, name, alias, published)
@@ -386,7 +391,7 @@ def test_a_request_refused_before_its_admission_is_refused_as_a_read_would_refus
 
 
 def test_a_recalled_adapter_that_moved_is_what_a_request_is_checked_against(
-    gateway_as: Callable[[str], AbstractContextManager[httpx.Client]],
+    gateway_as: GatewayAs,
     tenant: Callable[..., tuple[str, str]],
     private_redis: Redis,
     published: dict[str, AdapterRecord],
