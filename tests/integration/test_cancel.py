@@ -148,7 +148,11 @@ def test_completions_whose_client_disconnects_are_cancelled_and_aborted(
     with socket.create_connection((url.host, url.port)) as client:
         client.sendall(head.encode() + payload)
         deadline = time.monotonic() + 60
-        while (raw := redis.get(idempotency_key(DEV_TENANT, key))) is None:
+        # Its idempotency key is reserved (naming the job) just before the job is admitted:
+        # admitted once the job's record exists too.
+        while (raw := redis.get(idempotency_key(DEV_TENANT, key))) is None or not redis.hexists(
+            job_key(json.loads(str(raw))["job_id"]), "record"
+        ):
             assert time.monotonic() < deadline, "the request was never admitted"
             time.sleep(0.02)
         job_id = json.loads(str(raw))["job_id"]
