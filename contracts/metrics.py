@@ -17,6 +17,8 @@ ACCESS_RECALLS = "lorafleet_access_recalls_total"
 JOBS_FINISHED = "lorafleet_jobs_finished_total"
 # Gateway and worker: registry records a reader skipped because they do not parse
 REGISTRY_RECORDS_INVALID = "lorafleet_registry_records_invalid_total"
+# Gateway and worker: the start-up heap set aside from garbage collection
+HEAP_FROZEN = "lorafleet_heap_frozen_objects"
 # Worker
 JOB_E2E = "lorafleet_job_e2e_seconds"
 JOB_QUEUE_WAIT = "lorafleet_job_queue_wait_seconds"
@@ -51,6 +53,7 @@ ALL = frozenset(
         ACCESS_RECALLS,
         JOBS_FINISHED,
         REGISTRY_RECORDS_INVALID,
+        HEAP_FROZEN,
         JOB_E2E,
         JOB_QUEUE_WAIT,
         JOB_TTFT,

@@ -11,6 +11,7 @@ from redis.asyncio import Redis
 
 from contracts.redis_policy import async_client, async_options
 from contracts.telemetry import sentry_options
+from contracts.warm_process import freeze_heap, thaw_heap
 from gateway.batches import Batches
 from gateway.body_limit import BodyLimit
 from gateway.config import GatewaySettings, get_settings
@@ -85,9 +86,12 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.waiter.start()
         app.state.streams = StreamHub(reader, app.state.redis, app.state.waiter)
         app.state.streams.start()
+        # Started: what lives as long as the app is alive now (``contracts.warm_process``).
+        app.state.metrics.heap_frozen.set(freeze_heap())
         try:
             yield
         finally:
+            thaw_heap()
             app.state.results.close()  # first: nothing below can then skip it
             await app.state.streams.stop()
             await app.state.waiter.stop()

@@ -34,6 +34,12 @@ class GatewayMetrics:
         r = self.registry
         r.register(REGISTRY_RECORDS_INVALID)
         self.admitted = Counter(names.JOBS_ADMITTED, "Jobs admitted.", ["tier"], registry=r)
+        self.heap_frozen = Gauge(
+            names.HEAP_FROZEN,
+            "Objects of this process's start-up heap frozen out of garbage collection "
+            "(contracts.warm_process).",
+            registry=r,
+        )
         self.refused = Counter(
             names.ADMISSIONS_REFUSED, "Submissions refused, by error code.", ["code"], registry=r
         )

@@ -27,6 +27,7 @@ import functools
 import logging
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
 from celery import Celery
@@ -44,6 +45,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from contracts.queues import QUEUE_PREFIX
 from contracts.telemetry import sentry_options
+from contracts.warm_process import freeze_heap, start_threads, thaw_heap
+from worker import metrics
 from worker.config import get_settings
 from worker.runtime import WorkerRuntime
 
@@ -55,6 +58,8 @@ settings = get_settings()
 for _per_task in ("celery.app.trace", "celery.worker.strategy"):
     logging.getLogger(_per_task).setLevel(logging.WARNING)
 GIL_SWITCH_INTERVAL_S = 0.0005
+WARM_THREADS_S = 10.0
+"""How long the job threads may take to start before the worker announces itself anyway."""
 
 app = Celery("lorafleet", broker=settings.effective_broker_url, include=["worker.tasks"])
 app.conf.update(
@@ -203,10 +208,32 @@ def _announce(sender: Any, **_: Any) -> None:
     # A worker that could not announce itself would take jobs without its heartbeat, lease
     # keeper or reaper (Celery swallows the exception): it leaves, and the runtime is closed
     # on the way out (``worker_shutdown``).
+    # Warm first (this thread receives no job meanwhile), so that "ready" also means "warm".
+    # Only a speed-up: a worker that could not warm serves all the same.
+    try:
+        _warm(sender.pool)
+    except Exception:
+        log.exception("worker not warmed ahead")
     try:
         runtime().announce(sender)
     except Exception:
         _leave("worker could not announce itself")
+
+
+def _warm(pool: Any) -> None:
+    """Ready for the first burst (``contracts.warm_process``): the pool's job threads started
+    (the threads pool's executor; another pool is left as it is), then the heap as it stands
+    frozen, the engine's included."""
+    executor = getattr(pool, "executor", None)
+    if isinstance(executor, ThreadPoolExecutor):
+        try:
+            start_threads(executor, pool.limit, timeout_s=WARM_THREADS_S)
+            log.info("%d job threads started", pool.limit)
+        except TimeoutError as exc:  # they start with the first jobs instead
+            log.warning("job threads not started ahead: %s", exc)
+    frozen = freeze_heap()
+    metrics.HEAP_FROZEN.set(frozen)
+    log.info("%d objects of the start-up heap frozen", frozen)
 
 
 @task_received.connect
@@ -233,3 +260,4 @@ def _stop_runtime(**_: Any) -> None:
     if _runtime is not None:
         _runtime.close()
         _runtime = None
+    thaw_heap()

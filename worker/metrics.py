@@ -91,6 +91,11 @@ JOB_CPU = Counter(
     "stored outcome). Celery's receipt and ack and the engine's frontend are not in it.",
     ["phase"],
 )
+HEAP_FROZEN = Gauge(
+    names.HEAP_FROZEN,
+    "Objects of this process's start-up heap frozen out of garbage collection "
+    "(contracts.warm_process); 0 until the worker is ready.",
+)
 DEADLINE_BEYOND_VISIBILITY = Counter(
     names.DEADLINE_BEYOND_VISIBILITY,
     "Jobs whose deadline outlasts this worker's visibility timeout (raise the timeout).",

@@ -6,6 +6,7 @@ import time
 from collections import Counter
 
 import httpx
+from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 
@@ -16,6 +17,7 @@ from gateway.config import GatewaySettings
 from lorafleet.client import auth_headers
 from lorafleet.stack import LocalStack
 from lorafleet.tenants import Tenants
+from tests.conftest import STACK_ENV
 from tests.gateway.conftest import serving
 from tests.helpers import run_jobs, worker_heartbeat
 
@@ -119,3 +121,28 @@ def test_gateway_metrics_take_an_operator_key_unless_public(
         scraped = httpx.get(f"{public}/metrics", timeout=30)
     assert scraped.status_code == 200
     assert names.JOBS_ADMITTED in scraped.text
+
+
+def test_a_ready_worker_has_started_its_job_threads_and_both_processes_froze_their_heaps(
+    gateway_url: str, redis: Redis, stack: LocalStack
+) -> None:
+    # Asked as Flower asks: the job worker's pool (not the webhook worker's, not warmed).
+    app = Celery(broker=stack.redis_url)
+    try:
+        stats = app.control.inspect(timeout=5).stats() or {}
+    finally:
+        app.close()
+    pools = [info["pool"] for node, info in stats.items() if node.startswith("worker@")]
+    assert pools, f"no job worker answered: {sorted(stats)}"
+    for pool in pools:
+        assert (
+            pool["threads"]
+            == pool["max-concurrency"]
+            == int(STACK_ENV["LORAFLEET_WORKER_CONCURRENCY"])
+        )
+
+    worker = _scrape(f"http://127.0.0.1:{worker_heartbeat(redis)['metrics_port']}/metrics")
+    gateway = _scrape(f"{gateway_url}/metrics", _operator_key(redis))
+    # The worker's heap holds vLLM, torch and transformers: hundreds of thousands of objects.
+    assert worker[(names.HEAP_FROZEN, ())] > 100_000
+    assert gateway[(names.HEAP_FROZEN, ())] > 10_000

@@ -1,0 +1,62 @@
+"""Warming a process ahead of its first burst (``contracts.warm_process``)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from contracts.warm_process import freeze_heap, start_threads, thaw_heap
+
+
+def test_started_threads_take_the_next_submissions_without_starting_more() -> None:
+    with ThreadPoolExecutor(max_workers=6) as executor:
+        before = threading.active_count()
+        start_threads(executor, 6)
+        assert threading.active_count() == before + 6
+        # Six tasks that can only finish together: each needs a thread of its own, and the
+        # six idle ones take them.
+        together = threading.Barrier(6)
+        futures = [executor.submit(together.wait, 10) for _ in range(6)]
+        assert sorted(f.result(timeout=10) for f in futures) == list(range(6))
+        assert threading.active_count() == before + 6
+
+
+def test_more_threads_than_the_executor_may_start_time_out_and_leave_it_usable() -> None:
+    with ThreadPoolExecutor(max_workers=2) as executor:
+        with pytest.raises(TimeoutError, match="3 threads did not start"):
+            start_threads(executor, 3, timeout_s=0.5)
+        assert executor.submit(lambda: "served").result(timeout=10) == "served"
+
+
+def test_a_frozen_heap_is_left_to_its_thaw_and_what_comes_later_is_still_collected() -> None:
+    class Node:
+        pass
+
+    def cycle() -> weakref.ref[Node]:
+        node = Node()
+        node.self = node  # type: ignore[attr-defined]
+        return weakref.ref(node)
+
+    before = cycle()  # garbage before the freeze: collected by it
+    kept = Node()
+    kept.self = kept  # type: ignore[attr-defined]
+    frozen_one = weakref.ref(kept)
+    try:
+        frozen = freeze_heap()
+        assert before() is None
+        assert frozen == gc.get_freeze_count() > 0
+        del kept  # garbage now, but frozen: no collection frees it
+        gc.collect()
+        assert frozen_one() is not None
+        after = cycle()  # made after the freeze: collected as ever
+        gc.collect()
+        assert after() is None
+    finally:
+        thaw_heap()
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert frozen_one() is None
