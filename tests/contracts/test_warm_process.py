@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -10,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from contracts.warm_process import freeze_heap, start_threads, thaw_heap
+from lorafleet.stack import REPO_ROOT
 
 
 def test_started_threads_take_the_next_submissions_without_starting_more() -> None:
@@ -60,3 +63,38 @@ def test_a_frozen_heap_is_left_to_its_thaw_and_what_comes_later_is_still_collect
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert frozen_one() is None
+
+
+REFUSED_MIDWAY = """
+from concurrent.futures import ThreadPoolExecutor
+from contracts.warm_process import start_threads
+
+class Refusing(ThreadPoolExecutor):
+    # Refuses its fourth submission, as an executor that cannot start a thread does.
+    submitted = 0
+
+    def submit(self, *args, **kwargs):
+        self.submitted += 1
+        if self.submitted == 4:
+            raise RuntimeError("can't start new thread")
+        return super().submit(*args, **kwargs)
+
+try:
+    start_threads(Refusing(max_workers=6), 6, timeout_s=30)
+except RuntimeError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_a_submission_refused_midway_leaves_no_thread_held() -> None:
+    # A placeholder left waiting would hold its pool thread for good, and the interpreter
+    # joins pool threads at exit: the process would never end.
+    done = subprocess.run(
+        [sys.executable, "-c", REFUSED_MIDWAY],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "refused: can't start new thread"
