@@ -229,7 +229,7 @@ def _warm(pool: Any) -> None:
         try:
             start_threads(executor, pool.limit, timeout_s=WARM_THREADS_S)
             log.info("%d job threads started", pool.limit)
-        except TimeoutError as exc:  # they start with the first jobs instead
+        except Exception as exc:  # they start with the first jobs instead
             log.warning("job threads not started ahead: %s", exc)
     frozen = freeze_heap()
     metrics.HEAP_FROZEN.set(frozen)
@@ -257,7 +257,9 @@ def _stop_runtime(**_: Any) -> None:
     # vLLM's engine-core child processes keep the worker alive on SIGTERM unless the engine
     # is shut down explicitly.
     global _runtime
-    if _runtime is not None:
-        _runtime.close()
-        _runtime = None
-    thaw_heap()
+    try:
+        if _runtime is not None:
+            _runtime.close()
+            _runtime = None
+    finally:
+        thaw_heap()
