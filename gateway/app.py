@@ -91,8 +91,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         try:
             yield
         finally:
-            thaw_heap()
             app.state.results.close()  # first: nothing below can then skip it
+            thaw_heap()
             await app.state.streams.stop()
             await app.state.waiter.stop()
             await app.state.router.stop()
