@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
+import vllm.envs
 from celery import Celery
 from celery.signals import (
     celeryd_after_setup,
@@ -222,8 +223,13 @@ def _announce(sender: Any, **_: Any) -> None:
 
 def _warm(pool: Any) -> None:
     """Ready for the first burst (``contracts.warm_process``): the pool's job threads started
-    (the threads pool's executor; another pool is left as it is), then the heap as it stands
-    frozen, the engine's included."""
+    (the threads pool's executor; another pool is left as it is), vLLM's environment read once
+    for good, then the heap as it stands frozen, the engine's included.
+
+    vLLM's frontend, on the engine loop, reads an environment variable through ``os.environ``
+    for every output of every request (``IterationStats.update_from_output``); its engine
+    core caches them once started (``enable_envs_cache``), its API server does not. Cached
+    here the same way: nothing in this process changes the environment after start-up."""
     executor = getattr(pool, "executor", None)
     if isinstance(executor, ThreadPoolExecutor):
         try:
@@ -231,6 +237,8 @@ def _warm(pool: Any) -> None:
             log.info("%d job threads started", pool.limit)
         except Exception as exc:  # they start with the first jobs instead
             log.warning("job threads not started ahead: %s", exc)
+    vllm.envs.enable_envs_cache()
+    log.info("vLLM's environment variables read once and cached")
     frozen = freeze_heap()
     metrics.HEAP_FROZEN.set(frozen)
     log.info("%d objects of the start-up heap frozen", frozen)

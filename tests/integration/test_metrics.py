@@ -123,7 +123,7 @@ def test_gateway_metrics_take_an_operator_key_unless_public(
     assert names.JOBS_ADMITTED in scraped.text
 
 
-def test_a_ready_worker_has_started_its_job_threads_and_both_processes_froze_their_heaps(
+def test_a_ready_worker_started_its_threads_cached_vllms_env_and_both_froze_their_heaps(
     gateway_url: str, redis: Redis, stack: LocalStack
 ) -> None:
     # Asked as Flower asks: the job worker's pool (not the webhook worker's, not warmed).
@@ -138,7 +138,10 @@ def test_a_ready_worker_has_started_its_job_threads_and_both_processes_froze_the
     for pool in pools:
         assert pool["threads"] == pool["max-concurrency"] == concurrency
     # All of them at start-up, not by the jobs of earlier tests: the worker says so.
-    assert f"{concurrency} job threads started" in (stack.log_dir / "worker.log").read_text()
+    logged = (stack.log_dir / "worker.log").read_text()
+    assert f"{concurrency} job threads started" in logged
+    # vLLM's frontend reads its environment per output unless cached (the engine core caches).
+    assert "vLLM's environment variables read once and cached" in logged
 
     worker = _scrape(f"http://127.0.0.1:{worker_heartbeat(redis)['metrics_port']}/metrics")
     gateway = _scrape(f"{gateway_url}/metrics", _operator_key(redis))
