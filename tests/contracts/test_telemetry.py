@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 from typing import Any
 
+import httpx
 import sentry_sdk
 from sentry_sdk.consts import ClientConstructor
 from sentry_sdk.transport import Transport
@@ -189,3 +191,49 @@ def test_celery_failure_logs_lose_their_task_arguments() -> None:
     assert scrubbed["extra"]["data"]["id"] == "j1"
     assert scrubbed["logentry"]["message"] == "Task %(name)s[%(id)s] raised"
     assert scrubbed["tags"] == {"job_id": "j1"}
+
+
+def test_urls_called_out_lose_their_path_query_and_password_in_breadcrumbs_and_messages() -> None:
+    """A tenant's webhook URL is a capability (Slack's and Discord's carry their secret in the
+    path, others in the query or as ``user:password@``): the webhook worker's calls to it
+    become sentry-sdk's HTTP breadcrumbs (its httpx integration, enabled by default), which
+    ride along with any later error event of the process; a password in a URL can reach a
+    message (a broker or store URL in an error). Sent, the call's host stays, nothing else."""
+    from sentry_sdk.integrations.httpx import HttpxIntegration
+
+    from tests.receiver import Receiver
+
+    receiver = Receiver()
+    receiver.start()
+    transport = _Recorded()
+    options = sentry_options()  # on 3.x, with the logging integration it needs
+    options["integrations"] = [*options.get("integrations", []), HttpxIntegration()]
+    client = sentry_sdk.Client(
+        dsn="https://key@sentry.invalid/1",
+        transport=transport,
+        auto_enabling_integrations=False,
+        release="test",
+        **options,
+    )
+    hook = f"http://hook-user:{CREDENTIAL}-pw@127.0.0.1:{receiver.port}"
+    hook += f"/services/T0/{CREDENTIAL}-path?token={CREDENTIAL}-query#{CREDENTIAL}-fragment"
+    log = logging.getLogger("lorafleet.telemetry-test")
+    try:
+        with sentry_sdk.isolation_scope() as scope:
+            scope.set_client(client)
+            assert httpx.post(hook, content=b"{}", timeout=10).status_code == 200
+            log.error("store unreachable at %s", f"redis://:{CREDENTIAL}-redis@10.0.0.7:6379/0")
+            client.flush(timeout=5)
+    finally:
+        client.close()
+        receiver.stop()
+    events = [item.payload.json for envelope in transport.envelopes for item in envelope.items]
+    assert len(events) == 1, events
+    (event,) = events
+    sent = json.dumps(event)
+    assert CREDENTIAL not in sent, sent
+    (crumb,) = [c for c in event["breadcrumbs"]["values"] if c.get("type") == "http"]
+    assert crumb["data"]["url"].startswith(f"http://127.0.0.1:{receiver.port}")
+    assert crumb["data"]["http.method"] == "POST" and crumb["data"]["status_code"] == 200
+    # Where the message was (a password is not all of it): the host of the store stays.
+    assert "10.0.0.7:6379" in sent
