@@ -6,6 +6,7 @@ Plain functions, so the gateway and the workers share one policy; sentry is impo
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 SCRUBBED = "[scrubbed]"
@@ -65,9 +66,59 @@ def _scrub(value: Any) -> Any:
     return value
 
 
+_URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/?#@:]*:)[^\s/?#]*@")
+"""The password of a URL (``redis://:pw@host``, ``https://user:pw@host``), up to the last ``@``
+of its authority, as URL parsers read it (a password written with a raw ``@`` is all taken)."""
+
+
+def _without_passwords(value: Any) -> Any:
+    """Every string of ``value`` (nested) with the passwords of the URLs it holds replaced."""
+    if isinstance(value, str):
+        return _URL_PASSWORD.sub(lambda match: f"{match['head']}{SCRUBBED}@", value)
+    if isinstance(value, dict):
+        return {key: _without_passwords(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_without_passwords(item) for item in value]
+    return value
+
+
+def _origin(url: str) -> str:
+    """Where a call went, without what could be a capability: ``scheme://host:port``, then
+    ``/[scrubbed]`` if it had a path, query or fragment (a user and password are dropped)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not scheme.isascii() or not scheme.isalpha():
+        return SCRUBBED
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    host = rest[:end].rpartition("@")[2]  # sentry-sdk writes "[Filtered]:[Filtered]@"
+    if not host:
+        return SCRUBBED
+    return f"{scheme}://{host}" + (f"/{SCRUBBED}" if rest[end:] not in ("", "/") else "")
+
+
+def _http_breadcrumbs(breadcrumbs: Any) -> None:
+    """The URLs of the process's own HTTP calls (sentry-sdk's httpx and stdlib integrations
+    record one breadcrumb per call, sent with its next error event) cut to their origin: a
+    webhook URL is a tenant's capability, its secret in the path (Slack, Discord), the query
+    or the fragment."""
+    values = breadcrumbs.get("values") if isinstance(breadcrumbs, dict) else breadcrumbs
+    for crumb in values if isinstance(values, list) else ():
+        if not isinstance(crumb, dict) or crumb.get("type") != "http":
+            continue
+        data = crumb.get("data")
+        if not isinstance(data, dict):
+            continue
+        for key, item in data.items():
+            if key in ("url", "url.full", "http.url") and isinstance(item, str):
+                data[key] = _origin(item)
+            elif key in ("http.query", "http.fragment", "url.query", "url.fragment") and item:
+                data[key] = SCRUBBED
+
+
 def scrub_event(event: dict[str, Any], _hint: dict[str, Any]) -> dict[str, Any]:
     """``before_send`` hook: drop request bodies, task arguments, prompts and outputs, and
-    values under credential-like keys (``CREDENTIAL_KEYS``)."""
+    values under credential-like keys (``CREDENTIAL_KEYS``); cut the URLs of the process's
+    own HTTP calls to their origin; replace the password of any URL written anywhere in the
+    event (messages, exceptions, tags, the process's ``argv``)."""
     request = event.get("request")
     if isinstance(request, dict):
         if "data" in request:
@@ -81,7 +132,10 @@ def scrub_event(event: dict[str, Any], _hint: dict[str, Any]) -> dict[str, Any]:
     user = event.get("user")
     if isinstance(user, dict):  # dropped, not replaced: "[scrubbed]" is no IP address
         event["user"] = {key: value for key, value in _scrub(user).items() if value != SCRUBBED}
-    return event
+    if "breadcrumbs" in event:
+        _http_breadcrumbs(event["breadcrumbs"])
+    scrubbed: dict[str, Any] = _without_passwords(event)
+    return scrubbed
 
 
 EVERY_SDK: dict[str, Any] = {
