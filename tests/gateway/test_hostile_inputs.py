@@ -756,3 +756,31 @@ def test_a_head_that_does_not_arrive_in_time_is_408_and_an_idle_connection_is_cl
                 conn.sendall(b"\r\n")
                 assert _response(conn).startswith(b"HTTP/1.1 200 ")
                 time.sleep(1.5)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nNo colon in this field\r\n\r\n",
+        b"G(T /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",  # a TLS client hello on the plain port
+    ],
+)
+def test_a_head_that_is_not_http_is_400_in_our_envelope_and_closed(
+    http: httpx.Client, head: bytes
+) -> None:
+    """Bytes the HTTP parser cannot read (a field without a colon, a method with a bracket, an
+    unknown version, TLS sent to the plain-text port) are answered as every other refusal is:
+    400 ``malformed_request`` in the error envelope, then the connection closes; nothing ran."""
+    answer, closed = _exchange(str(http.base_url), head)
+    status, _, rest = answer.partition(b"\r\n")
+    assert status == b"HTTP/1.1 400 Bad Request", answer[:300]
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in headers.lower(), headers
+    error = json.loads(body)["error"]
+    assert error["code"] == "malformed_request", error
+    assert error["type"] == "invalid_request_error" and "HTTP" in error["message"], error
+    assert closed
+    # The gateway still serves (the refusal ended one connection, nothing else).
+    assert http.get("/healthz").status_code == 200
