@@ -26,6 +26,7 @@ class ErrorCode(StrEnum):
     TENANT_RATE_EXCEEDED = "tenant_rate_exceeded"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     HEADERS_TOO_LARGE = "headers_too_large"
+    MALFORMED_REQUEST = "malformed_request"
     HEADER_TIMEOUT = "header_timeout"
     BODY_TIMEOUT = "body_timeout"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"

@@ -35,7 +35,9 @@ clock: the keep-alive timer, armed when that response ends, bounds them as it bo
 (Bytes between requests that are not a head, the rest of a body the app answered without
 reading, start the clock too, and end in a close without an answer.) This protocol writes
 nothing into a response in flight: a head refused then (431) is answered once the responses
-before it are sent. (uvicorn's own 400 for bytes it cannot parse is not held back so.)
+before it are sent. Bytes the parser cannot read as a head (a field without a colon, TLS sent
+to this plain-text port) are refused the same way, 400 ``malformed_request``; in a body (a
+chunked body's framing) they get uvicorn's own 400, which is not held back so.
 
 The web command names it: ``uvicorn ... --http gateway.http_protocol:BoundedHttpTools``.
 """
@@ -86,6 +88,15 @@ _TOO_LARGE = _answer(
     "Request Header Fields Too Large",
     f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes; the request was "
     "refused unread (nothing was stored or enqueued).",
+)
+
+
+_MALFORMED = _answer(
+    ErrorCode.MALFORMED_REQUEST,
+    "Bad Request",
+    "The request is not HTTP/1.1 this server can read (its request line or a header field is "
+    "malformed, or it is not HTTP at all: TLS sent to a plain-text port?); it was refused "
+    "unread (nothing was stored or enqueued).",
 )
 
 
@@ -251,6 +262,16 @@ class BoundedHttpTools(HttpToolsProtocol):
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self._lingering = self.loop.call_later(LINGER_S, self.transport.close)
+
+    def send_400_response(self, msg: str) -> None:
+        """The parser could not read what came (uvicorn has logged it): a head is refused as
+        a head past the bound is (the envelope, after any response in flight, then the
+        lingering close); bytes inside a request's body (a chunked body's framing) are left
+        to uvicorn's own answer, which closes the connection under the running request."""
+        if self._in_head or self._between_requests():
+            self._refuse(_MALFORMED)
+            return
+        super().send_400_response(msg)
 
     def _stop_timer(self) -> None:
         if self._timer is not None:

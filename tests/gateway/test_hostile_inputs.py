@@ -782,5 +782,13 @@ def test_a_head_that_is_not_http_is_400_in_our_envelope_and_closed(
     assert error["code"] == "malformed_request", error
     assert error["type"] == "invalid_request_error" and "HTTP" in error["message"], error
     assert closed
+    # Behind a request it can read, in the same write: that one is answered first, whole.
+    served = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    answer, closed = _exchange(str(http.base_url), served + head)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    second = answer.index(b"HTTP/1.1 400 Bad Request")
+    assert answer.count(b"HTTP/1.1 200 ") == answer.count(b"HTTP/1.1 400 ") == 1
+    assert b'"malformed_request"' in answer[second:]
+    assert closed
     # The gateway still serves (the refusal ended one connection, nothing else).
     assert http.get("/healthz").status_code == 200
