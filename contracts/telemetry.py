@@ -6,7 +6,9 @@ Plain functions, so the gateway and the workers share one policy; sentry is impo
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 SCRUBBED = "[scrubbed]"
@@ -148,6 +150,14 @@ EVERY_SDK: dict[str, Any] = {
     "trace_propagation_targets": [],
     "max_request_body_size": "never",
     "before_send": scrub_event,
+    # Only the default integrations (logging, threading, excepthook...): the ones enabled
+    # because a library is installed (Celery, Starlette and FastAPI, Redis, httpx, boto3...)
+    # wrap every task, request, command or call in spans, breadcrumbs and scopes, and cost
+    # the control plane about a quarter more CPU per job with a DSN set
+    # (``benchmarks/results/sentry_cost.2026-12-07-972f40d.txt``). What the errors need of
+    # them, a scope of its own per job and per request, with the job's tags, is
+    # ``error_scope`` (the worker's task) and ``gateway.error_scope`` (each request).
+    "auto_enabling_integrations": False,
 }
 """Options of every sentry-sdk from 2.0 on."""
 
@@ -179,6 +189,26 @@ SENTRY_DATA_COLLECTION: dict[str, Any] = {
 (3.x removed ``send_default_pii`` and ``include_local_variables``: passing either is a
 ``TypeError``), so each category that could carry a prompt, an output, a caller's identity or
 a credential is off."""
+
+
+@contextlib.contextmanager
+def error_scope(expected: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """A Sentry isolation scope of its own for one unit of work (a job, a request): the tags
+    set within it (``sentry_sdk.set_tags``) and its breadcrumbs go with its errors only, and
+    an exception that leaves it is reported from within it, tagged, unless it is one of
+    ``expected`` (control flow, such as Celery's ``Reject``). A framework's own error log of
+    the same exception, outside the scope, is then dropped as a duplicate (sentry-sdk's
+    default ``dedupe`` integration). Without an initialised SDK the scope is inert."""
+    import sentry_sdk
+
+    with sentry_sdk.isolation_scope():
+        try:
+            yield
+        except expected:
+            raise
+        except Exception as exc:
+            sentry_sdk.capture_exception(exc)
+            raise
 
 
 def _never_sampled(_context: dict[str, Any]) -> float:

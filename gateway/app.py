@@ -15,6 +15,7 @@ from contracts.warm_process import freeze_heap, thaw_heap
 from gateway.batches import Batches
 from gateway.body_limit import BodyLimit
 from gateway.config import GatewaySettings, get_settings
+from gateway.error_scope import ErrorScope
 from gateway.errors import install_error_handlers
 from gateway.files import Files
 from gateway.json_bodies import StrictJsonBodies
@@ -119,6 +120,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         timeout_s=settings.body_timeout_s,
         larger={"/v1/batches": settings.max_batch_bytes, "/v1/files": settings.max_batch_bytes},
     )
+    if settings.sentry_dsn:
+        # Outermost: a request's error reports carry its own tags (``gateway.error_scope``).
+        app.add_middleware(ErrorScope)
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(openai.router)

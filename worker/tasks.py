@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 from contracts.errors import ErrorBody, ErrorCode
 from contracts.jobs import JobMessage, JobPublic
 from contracts.queues import RUN_JOB_TASK
+from contracts.telemetry import error_scope
 from worker import metrics
 from worker.celery_app import app, runtime
 from worker.errors import JobFailure, JobStopped, StopReason, StoreUnreachable
@@ -38,20 +39,24 @@ def run_job(payload: dict[str, Any]) -> None:
     # From its receipt (``worker.held``) until the outcome is stored, if this worker dies,
     # another worker's reaper puts the message back on its queue.
     delivery = str((run_job.request.delivery_info or {}).get("delivery_tag", ""))
-    try:
-        _run(rt, payload, delivery)
-    except (RedisError, StoreUnreachable) as exc:
-        # Redis stayed unreachable longer than the job store waits: the outcome could not be
-        # stored. Back to the queue rather than acknowledged, so the job is not lost. (Only
-        # Redis: any other error was stored as the job's failure, and the job is done.)
-        log.error("job record unreachable (%s); handing the job back", exc)
-        raise Reject(f"job store unreachable: {exc}", requeue=True) from None
-    finally:
-        # The outcome is stored (or the job handed back): nothing for a reaper to restore.
-        # Unless another attempt took the job over: a reaper took this delivery back already,
-        # and if this worker received it again, its entry is that delivery's.
-        if not is_taken_over(delivery):
-            rt.held.finished(delivery)
+    # The job's error reports (and the log below) carry its tags and breadcrumbs, no other
+    # job's; a hand-back is not an error.
+    with error_scope(expected=(Reject,)):
+        try:
+            _run(rt, payload, delivery)
+        except (RedisError, StoreUnreachable) as exc:
+            # Redis stayed unreachable longer than the job store waits: the outcome could not
+            # be stored. Back to the queue rather than acknowledged, so the job is not lost.
+            # (Only Redis: any other error was stored as the job's failure, and the job is
+            # done.)
+            log.error("job record unreachable (%s); handing the job back", exc)
+            raise Reject(f"job store unreachable: {exc}", requeue=True) from None
+        finally:
+            # The outcome is stored (or the job handed back): nothing for a reaper to restore.
+            # Unless another attempt took the job over: a reaper took this delivery back
+            # already, and if this worker received it again, its entry is that delivery's.
+            if not is_taken_over(delivery):
+                rt.held.finished(delivery)
 
 
 def _hand_back(rt: WorkerRuntime, why: str) -> NoReturn:

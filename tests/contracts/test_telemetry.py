@@ -74,18 +74,20 @@ def _sampled_span(name: str) -> None:
 def test_sentry_options_send_only_scrubbed_error_events_on_the_installed_sdk() -> None:
     # A real client with the options, as ``sentry_sdk.init`` builds one (an unknown option is
     # a TypeError there; sentry-sdk 3 removed two that 2 had): CI installs the newest allowed
-    # SDK, and this checks whichever is installed. Without the auto-enabled integrations
-    # (Celery, redis, Starlette...); the default ones (stdlib, threading, excepthook; logging
-    # on 2.x) still patch the process, inert once no client is bound.
+    # SDK, and this checks whichever is installed. The options turn off the integrations
+    # enabled for installed libraries (Celery, redis, Starlette...); the default ones
+    # (stdlib, threading, excepthook; logging on 2.x) still patch the process, inert once no
+    # client is bound.
     transport = _Recorded()
     client = sentry_sdk.Client(
-        dsn="https://key@sentry.invalid/1",
-        transport=transport,
-        auto_enabling_integrations=False,
-        release="test",
-        **sentry_options(),
+        dsn="https://key@sentry.invalid/1", transport=transport, release="test", **sentry_options()
     )
+    # Each would wrap every task, request, Redis command or call (``error_scope`` instead).
+    installed = {"celery", "redis", "starlette", "fastapi", "httpx", "boto3"}
+    assert not installed & set(client.integrations), sorted(client.integrations)
+    assert "logging" in client.integrations and "dedupe" in client.integrations
     for option, value in (
+        ("auto_enabling_integrations", False),
         ("auto_session_tracking", False),
         ("send_client_reports", False),
         ("trace_propagation_targets", []),
@@ -209,11 +211,7 @@ def test_urls_called_out_lose_their_path_query_and_password_in_breadcrumbs_and_m
     options = sentry_options()  # on 3.x, with the logging integration it needs
     options["integrations"] = [*options.get("integrations", []), HttpxIntegration()]
     client = sentry_sdk.Client(
-        dsn="https://key@sentry.invalid/1",
-        transport=transport,
-        auto_enabling_integrations=False,
-        release="test",
-        **options,
+        dsn="https://key@sentry.invalid/1", transport=transport, release="test", **options
     )
     hook = f"http://hook-user:{CREDENTIAL}-pw@127.0.0.1:{receiver.port}"
     hook += f"/services/T0/{CREDENTIAL}-path?token={CREDENTIAL}-query#{CREDENTIAL}-fragment"
@@ -274,3 +272,71 @@ def test_passwords_in_urls_anywhere_and_http_breadcrumb_urls_are_cut() -> None:
     assert crumbs[3]["message"] == "https://docs.example/a/b stays"
     kept = "http://host:8080/a@b and mailto:x@y"
     assert scrub_event({"message": kept}, {})["message"] == kept
+
+
+def test_each_request_and_job_reports_its_errors_with_its_own_tags() -> None:
+    """The isolation the Celery and Starlette integrations gave (they are off): two requests
+    served at once through ``gateway.error_scope.ErrorScope``, each setting its own tags,
+    interleaved; the one that fails is reported once, with its own tenant and route, never
+    the other's; an expected exception (``Reject``, control flow) leaves ``error_scope``
+    unreported; and tags set inside a scope do not outlive it."""
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from contracts.telemetry import error_scope
+    from gateway.error_scope import ErrorScope
+
+    both_tagged = asyncio.Event()
+    tagged: set[str] = set()
+
+    async def serve(request: Request) -> PlainTextResponse:
+        tenant = request.path_params["tenant"]
+        sentry_sdk.set_tag("tenant", tenant)
+        tagged.add(tenant)
+        if len(tagged) == 2:
+            both_tagged.set()
+        await both_tagged.wait()  # the other request has set its tag meanwhile
+        if tenant == "acme":
+            raise RuntimeError("engine refused")
+        return PlainTextResponse("ok")
+
+    app = ErrorScope(Starlette(routes=[Route("/v1/{tenant}", serve, methods=["POST"])]))
+    transport = _Recorded()
+    client = sentry_sdk.Client(
+        dsn="https://key@sentry.invalid/1", transport=transport, release="test", **sentry_options()
+    )
+
+    async def two_requests() -> list[int | BaseException]:
+        asgi = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=asgi, base_url="http://gateway") as http:
+            answers = await asyncio.gather(
+                http.post("/v1/acme"), http.post("/v1/globex"), return_exceptions=True
+            )
+        return [a.status_code if isinstance(a, httpx.Response) else a for a in answers]
+
+    try:
+        with sentry_sdk.isolation_scope() as scope:
+            scope.set_client(client)
+            assert asyncio.run(two_requests()) == [500, 200]
+            try:
+                with error_scope(expected=(LookupError,)):
+                    sentry_sdk.set_tag("job_id", "j-handed-back")
+                    raise KeyError("handed back")
+            except KeyError:
+                pass
+            sentry_sdk.capture_message("after the scopes")
+            client.flush(timeout=5)
+    finally:
+        client.close()
+    events = [item.payload.json for envelope in transport.envelopes for item in envelope.items]
+    crashed = [event for event in events if event.get("exception")]
+    assert len(crashed) == 1, events
+    assert crashed[0]["tags"]["tenant"] == "acme"
+    assert crashed[0]["tags"]["http.path"] == "/v1/acme"
+    assert crashed[0]["tags"]["http.method"] == "POST"
+    (after,) = [event for event in events if not event.get("exception")]
+    assert not {"tenant", "job_id", "http.path"} & set(after.get("tags", {})), after

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from uvicorn.config import Config
 from uvicorn.server import ServerState
 
@@ -132,3 +133,26 @@ def test_a_field_carried_over_from_an_earlier_read_is_not_taken_off_the_next_hea
     first = b"POST /up HTTP/1.1\r\nContent-Length: 0\r\nX-Big: " + b"b" * (MAX_HEAD_BYTES - 100)
     second = b"GET /next HTTP/1.1\r\nX-Big: " + b"c" * MAX_HEAD_BYTES
     _refused_after_one_answer(asyncio.run(_served(first, b"\r\n\r\n" + second, answers=2)), b"0")
+
+
+def test_a_gateway_with_a_dsn_serves_each_request_in_an_error_scope_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``SENTRY_DSN`` set the gateway initialises the SDK without the integrations that
+    wrap every request (``contracts.telemetry``) and serves each request inside
+    ``ErrorScope``, outermost, so a request's tags and its escaping errors stay its own
+    (``tests/contracts/test_telemetry.py`` shows the scope at work); without a DSN neither."""
+    import sentry_sdk
+
+    from gateway.app import create_app
+    from gateway.config import GatewaySettings
+    from gateway.error_scope import ErrorScope
+
+    inits: list[dict[str, Any]] = []
+    monkeypatch.setattr(sentry_sdk, "init", lambda **options: inits.append(options))
+    app = create_app(GatewaySettings(sentry_dsn="https://key@sentry.invalid/1"))
+    assert app.user_middleware[0].cls is ErrorScope
+    assert len(inits) == 1 and inits[0]["auto_enabling_integrations"] is False
+    without = create_app(GatewaySettings())
+    assert ErrorScope not in [middleware.cls for middleware in without.user_middleware]
+    assert len(inits) == 1

@@ -1,0 +1,30 @@
+"""Each request in a Sentry scope of its own (installed when ``SENTRY_DSN`` is set).
+
+sentry-sdk's Starlette and FastAPI integrations did this, with a transaction, spans and the
+request's data for every request; they are not enabled (``contracts.telemetry``: they cost the
+gateway about a quarter more CPU per request). What the error reports need of them is kept: the
+tags a request sets (its tenant, adapter and revision) stay its own, never another request's
+running at the same time, and an exception that escapes the app is reported tagged, with the
+request's method and route.
+"""
+
+from __future__ import annotations
+
+import sentry_sdk
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from contracts.telemetry import error_scope
+
+
+class ErrorScope:
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        with error_scope():
+            # Sentry keeps tag values of up to 200 characters.
+            sentry_sdk.set_tags({"http.method": scope["method"], "http.path": scope["path"][:200]})
+            await self._app(scope, receive, send)
