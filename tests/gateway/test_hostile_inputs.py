@@ -6,6 +6,7 @@ Against an in-process gateway on the private database (no worker needed)."""
 from __future__ import annotations
 
 import json
+import logging
 import select
 import socket
 import time
@@ -765,6 +766,8 @@ def test_a_head_that_does_not_arrive_in_time_is_408_and_an_idle_connection_is_cl
         b"G(T /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
         b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n",
         b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",  # a TLS client hello on the plain port
+        # A target llhttp takes and uvicorn's URL parser, once the head is whole, does not.
+        b"GET http://[::1 HTTP/1.1\r\nHost: x\r\n\r\n",
     ],
 )
 def test_a_head_that_is_not_http_is_400_in_our_envelope_and_closed(
@@ -792,3 +795,22 @@ def test_a_head_that_is_not_http_is_400_in_our_envelope_and_closed(
     assert closed
     # The gateway still serves (the refusal ended one connection, nothing else).
     assert http.get("/healthz").status_code == 200
+
+
+def test_a_head_refused_for_its_size_is_answered_once_whatever_follows_it(
+    http: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A head past ``MAX_HEAD_BYTES`` that arrives whole in one read, followed in that read by
+    bytes the parser cannot read: the refusal (431) is the one answer, and the gateway does
+    not write again after ending its side (a second answer there was an error in the event
+    loop, and could cost the client the first)."""
+    padding = b"X-Padding: " + b"a" * (2 * MAX_HEAD_BYTES) + b"\r\n"
+    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + padding + b"\r\nNOT HTTP\r\n\r\n"
+    answer, closed = _exchange(str(http.base_url), head)
+    assert answer.startswith(b"HTTP/1.1 431 Request Header Fields Too Large"), answer[:300]
+    assert answer.count(b"HTTP/1.1 4") == 1 and b"malformed_request" not in answer
+    assert closed
+    assert http.get("/healthz").status_code == 200
+    # The gateway (uvicorn in a thread of this process) logged no failure of its own.
+    failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not failures, failures
