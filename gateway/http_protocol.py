@@ -36,8 +36,9 @@ clock: the keep-alive timer, armed when that response ends, bounds them as it bo
 reading, start the clock too, and end in a close without an answer.) This protocol writes
 nothing into a response in flight: a head refused then (431) is answered once the responses
 before it are sent. Bytes the parser cannot read as a head (a field without a colon, TLS sent
-to this plain-text port) are refused the same way, 400 ``malformed_request``; in a body (a
-chunked body's framing) they get uvicorn's own 400, which is not held back so.
+to this plain-text port, a target uvicorn's URL parser refuses) are refused the same way, 400
+``malformed_request``; in the body of a request still being answered (a chunked body's framing)
+they get uvicorn's own 400, which is not held back so.
 
 The web command names it: ``uvicorn ... --http gateway.http_protocol:BoundedHttpTools``.
 """
@@ -165,9 +166,9 @@ class BoundedHttpTools(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
         self._stop_timer()
         if self._refused:
+            self._in_head = False
             return  # a request pipelined behind a refused one, in the same read: never run
         # A head that came whole within one read was never counted by ``data_received``
         # (which sees only heads still incomplete after a read): its parsed size decides.
@@ -175,7 +176,10 @@ class BoundedHttpTools(HttpToolsProtocol):
         if self._parsed_head + line > MAX_HEAD_BYTES:
             self._refuse_too_large()
             return
+        # Still in the head while uvicorn reads it: its URL parser refuses targets llhttp
+        # took (``http://[::1``), and that refusal is a malformed head (``send_400_response``).
         super().on_headers_complete()
+        self._in_head = False
 
     def on_body(self, body: bytes) -> None:
         self._handed_over += len(body)
@@ -268,6 +272,8 @@ class BoundedHttpTools(HttpToolsProtocol):
         a head past the bound is (the envelope, after any response in flight, then the
         lingering close); bytes inside a request's body (a chunked body's framing) are left
         to uvicorn's own answer, which closes the connection under the running request."""
+        if self._refused:
+            return  # answered already (a head too large, whole in the read being parsed)
         if self._in_head or self._between_requests():
             self._refuse(_MALFORMED)
             return
