@@ -1,7 +1,8 @@
 """What may leave a process in error reports: never prompts, outputs or request bodies.
 
 Plain functions, so the gateway and the workers share one policy; sentry is imported only by
-``sentry_options``, which a process calls when it has a DSN.
+``sentry_options``, which a process calls when it has a DSN, and by ``error_scope`` (which,
+without a DSN, only forks sentry's inert scopes).
 """
 
 from __future__ import annotations
@@ -68,9 +69,13 @@ def _scrub(value: Any) -> Any:
     return value
 
 
-_URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/?#@:]*:)[^\s/?#]*@")
+_URL_PASSWORD = re.compile(
+    r"(?P<head>(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s/?#@:]*:)[^\s/?#]*@"
+)
 """The password of a URL (``redis://:pw@host``, ``https://user:pw@host``), up to the last ``@``
-of its authority, as URL parsers read it (a password written with a raw ``@`` is all taken)."""
+of its authority, as URL parsers read it (a password written with a raw ``@`` is all taken).
+A scheme starts where no scheme character precedes it (``x=_redis://...`` too), which also keeps
+the search linear on long runs of them (``\b`` let a match start after every ``.``)."""
 
 
 def _without_passwords(value: Any) -> Any:
@@ -198,10 +203,13 @@ def error_scope(expected: tuple[type[Exception], ...] = ()) -> Iterator[None]:
     an exception that leaves it is reported from within it, tagged, unless it is one of
     ``expected`` (control flow, such as Celery's ``Reject``). A framework's own error log of
     the same exception, outside the scope, is then dropped as a duplicate (sentry-sdk's
-    default ``dedupe`` integration). Without an initialised SDK the scope is inert."""
+    default ``dedupe`` integration). It starts with no breadcrumbs: a pool thread's scope,
+    which it forks, holds those of the thread's earlier units (Celery's "succeeded" logs).
+    Without an initialised SDK nothing is sent (the scopes are forked all the same)."""
     import sentry_sdk
 
-    with sentry_sdk.isolation_scope():
+    with sentry_sdk.isolation_scope() as scope:
+        scope.clear_breadcrumbs()
         try:
             yield
         except expected:

@@ -5,7 +5,7 @@ request's data for every request; they are not enabled (``contracts.telemetry``:
 gateway about a quarter more CPU per request). What the error reports need of them is kept: the
 tags a request sets (its tenant, adapter and revision) stay its own, never another request's
 running at the same time, and an exception that escapes the app is reported tagged, with the
-request's method and route.
+request's method and path.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ class ErrorScope:
             await self._app(scope, receive, send)
             return
         with error_scope():
-            # Sentry keeps tag values of up to 200 characters.
-            sentry_sdk.set_tags({"http.method": scope["method"], "http.path": scope["path"][:200]})
+            # As sent (percent-encoded: no line ends), without the query; Sentry keeps tag
+            # values of up to 200 characters.
+            path = scope.get("raw_path") or scope["path"].encode()
+            path = path.partition(b"?")[0].decode("ascii", "replace")[:200]
+            sentry_sdk.set_tags({"http.method": scope["method"], "http.path": path})
             await self._app(scope, receive, send)

@@ -237,8 +237,12 @@ def _warm(pool: Any) -> None:
             log.info("%d job threads started", pool.limit)
         except Exception as exc:  # they start with the first jobs instead
             log.warning("job threads not started ahead: %s", exc)
-    vllm.envs.enable_envs_cache()
-    log.info("vLLM's environment variables read once and cached")
+    try:  # every variable is read now: a value vLLM refuses raises here
+        vllm.envs.enable_envs_cache()
+        log.info("vLLM's environment variables read once and cached")
+    except Exception as exc:
+        vllm.envs.disable_envs_cache()
+        log.warning("vLLM's environment not cached: %s", exc)
     frozen = freeze_heap()
     metrics.HEAP_FROZEN.set(frozen)
     log.info("%d objects of the start-up heap frozen", frozen)

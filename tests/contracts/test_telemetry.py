@@ -197,10 +197,11 @@ def test_celery_failure_logs_lose_their_task_arguments() -> None:
 
 def test_urls_called_out_lose_their_path_query_and_password_in_breadcrumbs_and_messages() -> None:
     """A tenant's webhook URL is a capability (Slack's and Discord's carry their secret in the
-    path, others in the query or as ``user:password@``): the webhook worker's calls to it
-    become sentry-sdk's HTTP breadcrumbs (its httpx integration, enabled by default), which
-    ride along with any later error event of the process; a password in a URL can reach a
-    message (a broker or store URL in an error). Sent, the call's host stays, nothing else."""
+    path, others in the query or as ``user:password@``): a process's outgoing calls become
+    sentry-sdk's HTTP breadcrumbs (its httpx integration, installed here as any SDK set up
+    otherwise would; its stdlib one, a default, for ``http.client``), which ride along with
+    any later error event of the process; a password in a URL can reach a message (a broker
+    or store URL in an error). Sent, the call's host stays, nothing else."""
     from sentry_sdk.integrations.httpx import HttpxIntegration
 
     from tests.receiver import Receiver
@@ -270,6 +271,8 @@ def test_passwords_in_urls_anywhere_and_http_breadcrumb_urls_are_cut() -> None:
     # Not a call made by the process, and no password: a URL in a message stays as written,
     # and so does a port or a path with an "@" in it.
     assert crumbs[3]["message"] == "https://docs.example/a/b stays"
+    glued = scrub_event({"message": "dsn=_redis://:hunter2@h:1"}, {})["message"]
+    assert glued == f"dsn=_redis://:{SCRUBBED}@h:1"
     kept = "http://host:8080/a@b and mailto:x@y"
     assert scrub_event({"message": kept}, {})["message"] == kept
 
@@ -321,6 +324,8 @@ def test_each_request_and_job_reports_its_errors_with_its_own_tags() -> None:
     try:
         with sentry_sdk.isolation_scope() as scope:
             scope.set_client(client)
+            # What a pool thread's scope holds of its earlier units: no scope starts with it.
+            sentry_sdk.add_breadcrumb(message="task run_job[j-earlier] succeeded")
             assert asyncio.run(two_requests()) == [500, 200]
             try:
                 with error_scope(expected=(LookupError,)):
@@ -338,5 +343,6 @@ def test_each_request_and_job_reports_its_errors_with_its_own_tags() -> None:
     assert crashed[0]["tags"]["tenant"] == "acme"
     assert crashed[0]["tags"]["http.path"] == "/v1/acme"
     assert crashed[0]["tags"]["http.method"] == "POST"
+    assert "j-earlier" not in json.dumps(crashed[0])
     (after,) = [event for event in events if not event.get("exception")]
     assert not {"tenant", "job_id", "http.path"} & set(after.get("tags", {})), after
