@@ -1,8 +1,9 @@
 """Each request in a Sentry scope of its own (installed when ``SENTRY_DSN`` is set).
 
 sentry-sdk's Starlette and FastAPI integrations did this, with a transaction, spans and the
-request's data for every request; they are not enabled (``contracts.telemetry``: they cost the
-gateway about a quarter more CPU per request). What the error reports need of them is kept: the
+request's data for every request; they are not enabled (``contracts.telemetry``: with a DSN
+the gateway spent about 30% more CPU per request, all of it theirs). What errors need of them is
+kept: the
 tags a request sets (its tenant, adapter and revision) stay its own, never another request's
 running at the same time, and an exception that escapes the app is reported tagged, with the
 request's method and path.
